@@ -1,0 +1,31 @@
+"""plait: post-training for language models as a registry of pluggy plugins.
+
+The top-level names of method plugins (``plait.DPOConfig``, ``plait.DPOTrainer``, and those of
+any installed third-party method) are looked up in the method registry on first access.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version as _version
+
+from .errors import PlaitError, PluginLoadError
+from .hookspecs import hookimpl
+from .manager import default_plugins, make_plugins
+from .method import Method
+
+try:
+    __version__ = _version("plait")
+except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+    __version__ = "0.0.0"
+
+__all__ = ["Method", "PlaitError", "PluginLoadError", "__version__", "default_plugins", "hookimpl", "make_plugins"]
+
+
+def __getattr__(name: str):
+    # DPOConfig, DPOTrainer, ... come from whichever plugin registered the method.
+    if name[:1].isupper():
+        for component in default_plugins().methods:
+            for cls in (component.obj.config, component.obj.trainer):
+                if cls.__name__ == name:
+                    return cls
+    raise AttributeError(f"module 'plait' has no attribute {name!r}")

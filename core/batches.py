@@ -1,0 +1,102 @@
+"""The typed inputs losses consume: log-probs, never logits, never a model.
+
+A loss declares the batch class it reads with ``consumes=`` when it registers; a method
+builds that batch once per step from the one log-prob path (:mod:`plait.logprobs`) and hands
+the same object to every loss it composes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+from torch import Tensor
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+@attrs.frozen
+class PreferenceLogps:
+    """Summed completion log-probs for B preference pairs; every tensor has shape ``[B]``.
+
+    ``divergence`` is the f-divergence transform s = f(r) the method applies to each
+    log-ratio r = log π − log π_ref before losses form a margin (reverse KL: s = r).
+    """
+
+    chosen_logps: Tensor
+    rejected_logps: Tensor
+    ref_chosen_logps: Tensor
+    ref_rejected_logps: Tensor
+    chosen_lengths: Tensor
+    rejected_lengths: Tensor
+    divergence: Callable[[Tensor], Tensor] = _identity
+
+    @property
+    def chosen_logratios(self) -> Tensor:
+        """r_c = log π(y_c|x) − log π_ref(y_c|x)."""
+        return self.chosen_logps - self.ref_chosen_logps
+
+    @property
+    def rejected_logratios(self) -> Tensor:
+        return self.rejected_logps - self.ref_rejected_logps
+
+    @property
+    def chosen_scores(self) -> Tensor:
+        """s_c = f(r_c)."""
+        return self.divergence(self.chosen_logratios)
+
+    @property
+    def rejected_scores(self) -> Tensor:
+        return self.divergence(self.rejected_logratios)
+
+    @property
+    def margin(self) -> Tensor:
+        """Δ = s_c − s_r."""
+        return self.chosen_scores - self.rejected_scores
+
+    @property
+    def batch_size(self) -> int:
+        return self.chosen_logps.shape[0]
+
+
+@attrs.frozen
+class UnpairedLogps:
+    """Summed completion log-probs for B unpaired examples (KTO); tensors of shape ``[B]``.
+
+    ``desirable`` is a bool mask; ``kl_logratio`` is the detached batch estimate z of the
+    policy/reference KL on mismatched (prompt, completion) pairs, a 0-dim tensor.
+    """
+
+    logps: Tensor
+    ref_logps: Tensor
+    desirable: Tensor
+    kl_logratio: Tensor
+
+    @property
+    def logratios(self) -> Tensor:
+        return self.logps - self.ref_logps
+
+    @property
+    def batch_size(self) -> int:
+        return self.logps.shape[0]
+
+
+@attrs.frozen
+class TokenLogps:
+    """Per-token log-probs of the target tokens, ``[B, T]``, with the loss mask ``[B, T]``."""
+
+    logps: Tensor
+    mask: Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.logps.shape[0]
+
+
+def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    mask = mask.to(values.dtype)
+    if dim is None:
+        return (values * mask).sum() / mask.sum().clamp(min=1.0)
+    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)

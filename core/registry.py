@@ -1,0 +1,143 @@
+"""Registries: one per kind of component, filled by the registration hooks.
+
+A name is dotted, ``<family>.<variant>`` (``dpo.sigmoid``, ``reward.think_format``). Each entry
+remembers the plugin, distribution and version that registered it, so a run's metadata can
+say exactly which code produced it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import sys
+from typing import Any, Callable, Iterator
+
+import attrs
+
+from .errors import PlaitError
+
+NAME_PATTERN = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_\-]+)+$")
+
+
+class DuplicateComponentError(PlaitError):
+    pass
+
+
+class UnknownComponentError(PlaitError, KeyError):
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0]
+
+
+@attrs.frozen
+class Component:
+    """One registered component: the object plus where it came from."""
+
+    kind: str
+    name: str
+    obj: Any
+    params: type | None = None
+    doc: str = ""
+    plugin: str = "?"
+    distribution: str = "?"
+    version: str = "?"
+    options: dict = attrs.field(factory=dict)
+
+    @property
+    def summary(self) -> str:
+        module = sys.modules.get(getattr(self.obj, "__module__", ""), None)
+        text = self.doc or getattr(self.obj, "__doc__", None) or getattr(module, "__doc__", None) or ""
+        return text.strip().splitlines()[0] if text.strip() else ""
+
+    def make_params(self, **values: Any):
+        """Build and validate this component's parameters, naming the component on error."""
+        if self.params is None:
+            if values:
+                raise PlaitError(
+                    f"{self.kind} {self.name!r} takes no parameters, got {sorted(values)}; remove them"
+                )
+            return None
+        known = {a.name for a in attrs.fields(self.params)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            hint = _close(unknown[0], known)
+            raise PlaitError(
+                f"{self.kind} {self.name!r}: unknown parameter {unknown[0]!r}{hint}; "
+                f"accepted: {sorted(known)}"
+            )
+        try:
+            return self.params(**values)
+        except (TypeError, ValueError) as err:
+            raise PlaitError(f"{self.kind} {self.name!r}: {err}") from err
+
+
+def _close(name: str, candidates) -> str:
+    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+class Registry:
+    """Name -> :class:`Component` for one kind, with helpful errors."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: dict[str, Component] = {}
+
+    def add(self, component: Component) -> None:
+        if not NAME_PATTERN.match(component.name):
+            raise PlaitError(
+                f"{self.kind} name {component.name!r} from plugin {component.plugin!r} is not dotted "
+                "lower-case like 'dpo.sigmoid'; rename it"
+            )
+        existing = self._entries.get(component.name)
+        if existing is not None:
+            raise DuplicateComponentError(
+                f"{self.kind} {component.name!r} is registered twice: by {existing.plugin} "
+                f"({existing.distribution} {existing.version}) and by {component.plugin} "
+                f"({component.distribution} {component.version}); uninstall or block one "
+                "with PLAIT_DISABLE_PLUGINS"
+            )
+        self._entries[component.name] = component
+
+    def get(self, name: str, family: str | None = None) -> Component:
+        """Look up ``name``; with ``family`` a bare ``sigmoid`` also finds ``dpo.sigmoid``."""
+        if name in self._entries:
+            return self._entries[name]
+        if family and f"{family}.{name}" in self._entries:
+            return self._entries[f"{family}.{name}"]
+        candidates = list(self._entries)
+        if family:
+            candidates += [n.split(".", 1)[1] for n in self._entries if n.startswith(family + ".")]
+        hint = _close(name, candidates)
+        available = ", ".join(sorted(self._entries)) or "none are installed"
+        raise UnknownComponentError(f"unknown {self.kind} {name!r}{hint}; available: {available}")
+
+    def family(self, prefix: str) -> list[Component]:
+        return [c for n, c in sorted(self._entries.items()) if n.startswith(prefix + ".")]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[Component]:
+        return iter(sorted(self._entries.values(), key=lambda c: c.name))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+
+def register_callback(registry: Registry, plugin: str, distribution: str, version: str) -> Callable[..., None]:
+    """The ``register`` function handed to one plugin's registration hook."""
+
+    def register(name: str, obj: Any, *, params: type | None = None, doc: str = "", **options: Any) -> None:
+        if params is not None and not attrs.has(params):
+            raise PlaitError(f"{registry.kind} {name!r} from {plugin}: params must be an attrs class, got {params!r}")
+        registry.add(
+            Component(
+                kind=registry.kind, name=name, obj=obj, params=params, doc=doc,
+                plugin=plugin, distribution=distribution, version=version, options=options,
+            )
+        )
+
+    return register

@@ -1,0 +1,1 @@
+"""Tools for testing plait plugins: hypothesis strategies, contract checks, a pytest plugin."""
