@@ -100,3 +100,32 @@ def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     if dim is None:
         return (values * mask).sum() / mask.sum().clamp(min=1.0)
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
+
+
+@attrs.frozen
+class Rollout:
+    """Scores of N completions for an advantage estimator.
+
+    Rows are grouped by prompt: ``group_size`` consecutive rows share one prompt. ``rewards``
+    is ``[N, K]``, one column per reward function, NaN where a function returned None;
+    ``weights`` is ``[K]``. Token-level estimators (GAE) also get per-token ``token_rewards``,
+    ``values`` and ``mask``, each ``[N, T]``.
+    """
+
+    rewards: Tensor
+    weights: Tensor
+    group_size: int
+    token_rewards: Tensor | None = None
+    values: Tensor | None = None
+    mask: Tensor | None = None
+
+    @property
+    def total_reward(self) -> Tensor:
+        """R = Σ_k w_k·r_k ignoring None (NaN) entries; NaN where every reward is None."""
+        weighted = self.rewards * self.weights
+        total = weighted.nansum(dim=1)
+        return total.masked_fill(self.rewards.isnan().all(dim=1), float("nan"))
+
+    @property
+    def num_groups(self) -> int:
+        return self.rewards.shape[0] // self.group_size
