@@ -108,6 +108,15 @@ def register_collators(register: Register) -> None:
 
 
 @hookspec
+def register_packing_strategies(register: Register) -> None:
+    """Register sequence-packing strategies (``packing.bfd``, ``packing.wrapped``).
+
+    ``obj(lengths: list[int], max_length: int) -> list[list[tuple[int, int, int]]]``: bins of
+    (example index, start, end) token slices, each bin at most ``max_length`` tokens.
+    """
+
+
+@hookspec
 def register_judges(register: Register) -> None:
     """Register judges for online preference methods (``judge.reward_model``, ``judge.pairwise``).
 

@@ -35,7 +35,7 @@ ENTRY_POINT_GROUP = hookspecs.PROJECT
 KINDS = {
     "methods": "method", "losses": "loss", "rewards": "reward",
     "advantage_estimators": "advantage estimator", "generation_backends": "generation backend",
-    "data_formats": "data format", "collators": "collator", "judges": "judge", "commands": "command",
+    "data_formats": "data format", "collators": "collator", "packing_strategies": "packing strategy", "judges": "judge", "commands": "command",
 }
 
 
