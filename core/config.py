@@ -1,0 +1,241 @@
+"""Configs: a method's Config class, and the YAML run config that names components by registry name.
+
+A method writes its own knobs once, as an attrs class with validators. :func:`method_config`
+composes them with transformers' ``TrainingArguments`` into the single dataclass TRL users
+know (``DPOConfig(output_dir=..., beta=0.1, learning_rate=...)``), validated by attrs so every
+bad value is one line naming the field, the value and the valid range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import logging
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+import torch
+import yaml
+from transformers import TrainingArguments
+
+from .errors import PlaitError
+
+logger = logging.getLogger("plait")
+
+
+# ---------------------------------------------------------------------------------------------
+# Method configs: TrainingArguments + the method's attrs parameters
+# ---------------------------------------------------------------------------------------------
+
+
+def _pick_precision(args: TrainingArguments) -> None:
+    """bf16/fp16 left as None are chosen from the hardware (TRL's bf16=True default fails on CPU)."""
+    if args.bf16 is None:
+        args.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported() and not args.fp16)
+        where = "CUDA with bf16 support" if args.bf16 else "no bf16-capable GPU"
+        logger.info("plait: %s -> %s mixed precision", where, "bf16" if args.bf16 else "no (fp32)")
+    if args.fp16 is None:
+        args.fp16 = False
+
+
+def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[str, Any] = {}, module: str | None = None) -> type:
+    """Return the dataclass ``name``: every TrainingArguments field, ``defaults`` overriding its
+    defaults, plus the fields of the attrs class ``params`` (validated in ``__post_init__``).
+
+    The instance's ``.params`` holds the validated attrs object the method's code reads.
+    """
+    fields = []
+    for attribute in attrs.fields(params):
+        default = attribute.default
+        if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+            spec = dataclasses.field(default_factory=default.factory)
+        else:
+            spec = dataclasses.field(default=default)
+        fields.append((attribute.name, attribute.type or Any, spec))
+    own = {f[0] for f in fields}
+    inherited = config_fields(TrainingArguments)
+    for field_name, value in {"bf16": None, "fp16": None, **defaults}.items():
+        if field_name not in own:
+            factory = (lambda v=value: list(v)) if isinstance(value, list) else None
+            spec = dataclasses.field(default_factory=factory) if factory else dataclasses.field(default=value)
+            annotation = inherited[field_name].type
+            fields.append((field_name, annotation | None if value is None else annotation, spec))
+
+    def __post_init__(self) -> None:
+        _pick_precision(self)
+        values = {a.name: getattr(self, a.name) for a in attrs.fields(params)}
+        try:
+            self.params = params(**values)
+        except (TypeError, ValueError) as err:
+            raise PlaitError(f"{name}: {err}") from err
+        TrainingArguments.__post_init__(self)
+
+    cls = dataclasses.make_dataclass(
+        name, fields, bases=(TrainingArguments,), namespace={"__post_init__": __post_init__}
+    )
+    cls.__doc__ = doc or params.__doc__
+    # so checkpoints (training_args.bin) unpickle: point at the defining module
+    cls.__module__ = module or sys._getframe(1).f_globals.get("__name__", __name__)
+    cls.params_class = params
+    return cls
+
+
+def config_fields(config_cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(config_cls) if f.init}
+
+
+# ---------------------------------------------------------------------------------------------
+# Type checking of plain YAML / command-line values against a field's annotation
+# ---------------------------------------------------------------------------------------------
+
+
+def _accepts(annotation: Any, value: Any) -> bool:
+    if annotation in (Any, None) or isinstance(annotation, str):
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(arg, value) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return isinstance(value, str) and value in {m.value for m in annotation}
+    if origin in (list, tuple, typing.Sequence) or annotation in (list, tuple):
+        return isinstance(value, (list, tuple))
+    if origin in (dict, typing.Mapping) or annotation is dict:
+        return isinstance(value, dict)
+    return True  # richer types: left to the class's own validation
+
+
+def _type_name(annotation: Any) -> str:
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+def check_value(path: str, annotation: Any, value: Any) -> None:
+    if not _accepts(annotation, value):
+        raise PlaitError(f"{path}: expected {_type_name(annotation)}, got {value!r} ({type(value).__name__}); fix the value's type")
+
+
+def unknown_key_error(path: str, key: str, known) -> PlaitError:
+    match = difflib.get_close_matches(key, list(known), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(repr(m) for m in match)}?" if match else f"; accepted: {', '.join(sorted(known))}"
+    return PlaitError(f"{path}: unknown field {key!r}{hint}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The YAML run config
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class DatasetSpec:
+    """Arguments of ``datasets.load_dataset``: ``{path: json, data_files: prefs.jsonl, split: train}``."""
+
+    path: str
+    name: str | None = None
+    data_files: str | list | dict | None = None
+    split: str = "train"
+
+
+@attrs.frozen
+class PluginsSpec:
+    """The ``plugins:`` section: what to load (mirrors the PLAIT_* environment switches)."""
+
+    disable: list = attrs.Factory(list)
+    autoload: bool = True
+    on_import_error: str = attrs.field(default="fail")
+
+    @on_import_error.validator
+    def _check(self, attribute, value) -> None:
+        if value not in ("fail", "skip"):
+            raise PlaitError(f"plugins.on_import_error: {value!r} is not valid; use 'fail' or 'skip'")
+
+
+@attrs.frozen
+class RunConfig:
+    """A run named entirely by registry names; see examples/recipes/ for one per method."""
+
+    method: str
+    model: str
+    dataset: DatasetSpec
+    eval_dataset: DatasetSpec | None = None
+    loss: list | None = None
+    reward_funcs: list | None = None
+    ref_model: str | None = None
+    peft: dict | None = None
+    model_init_kwargs: dict | None = None
+    training: dict = attrs.Factory(dict)
+    plugins: PluginsSpec = attrs.Factory(PluginsSpec)
+
+
+def _structure(cls: type, data: Any, path: str):
+    """Build attrs class ``cls`` from plain data, failing with the field path on any mismatch."""
+    if not isinstance(data, Mapping):
+        raise PlaitError(f"{path}: expected a mapping of {cls.__name__} fields, got {data!r}")
+    fields = {a.name: a for a in attrs.fields(cls)}
+    for key in data:
+        if key not in fields:
+            raise unknown_key_error(path, key, fields)
+    values = {}
+    for key, attribute in fields.items():
+        if key not in data:
+            if attribute.default is attrs.NOTHING:
+                raise PlaitError(f"{path}.{key}: required field is missing; add `{key}: ...`")
+            continue
+        value = data[key]
+        nested = next((t for t in typing.get_args(attribute.type) or (attribute.type,) if attrs.has(t)), None)
+        if nested is not None and value is not None:
+            value = _structure(nested, value, f"{path}.{key}")
+        else:
+            check_value(f"{path}.{key}", attribute.type, value)
+        values[key] = value
+    return cls(**values)
+
+
+def parse_run_config(data: Any, source: str = "config") -> RunConfig:
+    return _structure(RunConfig, data, source)
+
+
+def load_run_config(path: str | Path, overrides: Mapping[str, Any] = {}) -> RunConfig:
+    """Read a YAML recipe; ``overrides`` (from command-line flags) replace fields of ``training``."""
+    path = Path(path)
+    if not path.is_file():
+        raise PlaitError(f"--config {str(path)!r}: no such file; pass the path of a YAML recipe")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise PlaitError(f"{path}:{where} is not valid YAML ({getattr(err, 'problem', err)}); fix the syntax") from err
+    data = dict(data) if isinstance(data, Mapping) else data
+    if isinstance(data, dict) and overrides:
+        data["training"] = {**(data.get("training") or {}), **overrides}
+    return parse_run_config(data, source=path.name)
+
+
+def build_method_config(config_cls: type, values: Mapping[str, Any], path: str = "training"):
+    """Instantiate a method's Config from plain values, checking names and types first."""
+    fields = config_fields(config_cls)
+    for key, value in values.items():
+        if key not in fields:
+            raise unknown_key_error(path, key, fields)
+        check_value(f"{path}.{key}", fields[key].type, value)
+    try:
+        return config_cls(**values)
+    except PlaitError as err:
+        raise PlaitError(f"{path}: {err}") from err
+    except ValueError as err:  # TrainingArguments' own checks
+        message = " ".join(str(err).split())
+        raise PlaitError(f"{path}: {message}") from err
