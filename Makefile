@@ -1,0 +1,30 @@
+# `make demo` and `make test` set up a fresh machine (a venv in .venv) and run the main job / the tests.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# This machine has a CPU build of torch 2.13.0 on disk; a GPU machine may set TORCH_SPEC to its own build.
+TORCH_SPEC ?= torch==2.13.0
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test test-fast clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,demo]"
+	touch $@
+
+demo: setup
+	$(PY) examples/demo.py
+
+test: setup
+	$(VENV)/bin/pytest -q
+
+test-fast: setup
+	$(VENV)/bin/pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

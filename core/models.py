@@ -1,0 +1,135 @@
+"""Loading policies, tokenizers and adapters; the reference policy every KL-regularised method shares."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from typing import Any, Callable, TypeVar
+
+import torch
+from accelerate.utils import is_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from .errors import PlaitError
+
+logger = logging.getLogger("plait")
+T = TypeVar("T")
+
+
+def load_model(model: str | PreTrainedModel, init_kwargs: dict | None = None, auto_class=AutoModelForCausalLM,
+               field: str = "model") -> PreTrainedModel:
+    """A ready model from an id/path (with ``model_init_kwargs``) or a model instance as given."""
+    if not isinstance(model, str):
+        if init_kwargs:
+            raise PlaitError(f"model_init_kwargs={init_kwargs!r} only apply when {field} is a path or id; "
+                             "load the model with them yourself or pass the path")
+        return model
+    kwargs = dict(init_kwargs or {})
+    dtype = kwargs.get("dtype", kwargs.pop("torch_dtype", None))
+    if isinstance(dtype, str) and dtype != "auto":
+        kwargs["dtype"] = getattr(torch, dtype)
+    try:
+        return auto_class.from_pretrained(model, **kwargs)
+    except OSError as err:
+        raise PlaitError(f"{field}={model!r} could not be loaded ({str(err).splitlines()[0]}); "
+                         "pass a local folder with config.json and weights") from err
+
+
+def load_tokenizer(model: str | PreTrainedModel, processing_class=None):
+    if processing_class is not None:
+        return processing_class
+    source = model if isinstance(model, str) else model.config._name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token is None:  # training collators need a pad id; EOS is the usual stand-in
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def wrap_peft(model: PreTrainedModel, peft_config, gradient_checkpointing: bool = False):
+    """Wrap in LoRA (QLoRA when the model was loaded quantised) when a peft_config is given."""
+    if peft_config is None:
+        return model
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    elif gradient_checkpointing:
+        model.enable_input_require_grads()  # so checkpointed blocks see a grad-requiring input
+    return get_peft_model(model, peft_config)
+
+
+def check_same_vocabulary(model: PreTrainedModel, other: PreTrainedModel, field: str) -> None:
+    """Log-probs of one tokenisation are only comparable under the same vocabulary."""
+    mine, theirs = model.config.get_text_config().vocab_size, other.config.get_text_config().vocab_size
+    if mine != theirs:
+        raise PlaitError(f"{field} has vocab_size {theirs} but the policy has {mine}; the reference must share "
+                         "the policy's tokenizer (use the same base checkpoint)")
+
+
+class Reference:
+    """The frozen policy a method regularises towards.
+
+    Three forms, chosen once at construction: a separate frozen model (a deep copy of the policy
+    by default, or a given ``ref_model``); with PEFT and no ``ref_model``, the policy itself with
+    its adapters disabled (no second copy in memory); or none (precomputed log-probs, beta = 0).
+    """
+
+    def __init__(self, model: PreTrainedModel | None, *, adapters_off: bool = False):
+        self.model = model
+        self.adapters_off = adapters_off
+        if model is not None:
+            model.eval()
+            model.requires_grad_(False)
+
+    @classmethod
+    def for_policy(cls, policy: PreTrainedModel, ref_model: str | PreTrainedModel | None = None,
+                   init_kwargs: dict | None = None) -> "Reference":
+        """Build before the policy is wrapped by PEFT, so the deep copy holds no adapters."""
+        if ref_model is not None:
+            ref = load_model(ref_model, init_kwargs, field="ref_model")
+            check_same_vocabulary(policy, ref, "ref_model")
+            return cls(ref)
+        return cls(copy.deepcopy(policy))
+
+    @classmethod
+    def adapters_disabled(cls) -> "Reference":
+        return cls(None, adapters_off=True)
+
+    @classmethod
+    def none(cls) -> "Reference":
+        return cls(None)
+
+    @property
+    def available(self) -> bool:
+        return self.model is not None or self.adapters_off
+
+    def __call__(self, policy, compute: Callable[[Any], T]) -> T:
+        """Run ``compute(model)`` under the reference, without gradients."""
+        with torch.no_grad():
+            if self.adapters_off:
+                with _adapters_disabled(policy):
+                    return compute(policy)
+            if self.model is None:
+                raise PlaitError("no reference model is loaded (beta = 0 or precomputed log-probs)")
+            return compute(self.model)
+
+    @torch.no_grad()
+    def mix_from(self, policy, alpha: float) -> None:
+        """TR-DPO: π_ref ← α·π + (1−α)·π_ref (Gorbatovski et al. 2024, eq. 4)."""
+        source = dict(_unwrap(policy).named_parameters())
+        for name, param in self.model.named_parameters():
+            param.mul_(1 - alpha).add_(source[name].detach().to(param.dtype), alpha=alpha)
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)
+
+
+@contextlib.contextmanager
+def _adapters_disabled(policy):
+    model = _unwrap(policy)
+    if not is_peft_model(model):
+        raise PlaitError("the reference is 'the policy with adapters disabled' but the policy has no adapters")
+    with model.disable_adapter():
+        yield

@@ -1,0 +1,185 @@
+"""The chassis every method's trainer stands on: transformers' Trainer, plus what plait adds.
+
+A method subclasses :class:`PlaitTrainer` and fills in four things: how its dataset is
+prepared, which collator lays out its batches, how one step turns a batch into a typed loss
+batch (through :func:`plait.logprobs.token_logprobs`) and which metrics it logs. The chassis
+never names a concrete method or loss: it asks the registry. It adds atomic checkpoints with
+run metadata, metrics averaged per logging window, and plugin-contributed callbacks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections import defaultdict
+from typing import Any, ClassVar
+
+import torch
+from transformers import PreTrainedModel, Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from . import __version__
+from .config import config_fields
+from .errors import PlaitError
+from .manager import Plugins, default_plugins
+from .models import load_model, load_tokenizer, wrap_peft
+
+logger = logging.getLogger("plait")
+METADATA_FILE = "plait_run.json"
+
+
+class PlaitTrainer(Trainer):
+    """Base trainer; subclasses set ``method`` (the registry name) and implement ``compute_loss``."""
+
+    method: ClassVar[str]
+    config_class: ClassVar[type]
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        args=None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        peft_config=None,
+        callbacks=None,
+        optimizers=(None, None),
+        plugins: Plugins | None = None,
+        **kwargs,
+    ):
+        self.plugins = plugins or default_plugins()
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = self.config_class(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-{self.method}")
+        elif not isinstance(args, self.config_class):
+            raise PlaitError(f"args is a {type(args).__name__}; {type(self).__name__} needs a {self.config_class.__name__}")
+        self.validate(args)  # everything the config can check, before any model loads
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+        processing_class = load_tokenizer(model, processing_class)
+        model = load_model(model, getattr(args, "model_init_kwargs", None))
+        self.peft_config = peft_config
+        model = self.before_peft(model, args, **kwargs)
+        model = wrap_peft(model, peft_config, args.gradient_checkpointing)
+        self._policy = model  # the model before accelerate wraps it; datasets may need it (cached reference)
+
+        train_dataset = self.prepare(train_dataset, processing_class, args, "train")
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: self.prepare(v, processing_class, args, k) for k, v in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = self.prepare(eval_dataset, processing_class, args, "eval")
+        data_collator = data_collator or self.make_collator(processing_class, args)
+
+        callbacks = list(callbacks or [])
+        for contributed in self.plugins.hook.trainer_callbacks(method=self.method, args=args):
+            callbacks.extend(contributed or [])
+        super().__init__(
+            model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        self.after_init()
+
+    # -- what a method fills in ---------------------------------------------------------------
+    def validate(self, args) -> None:
+        """Refuse incompatible settings with the reason; called before loading anything."""
+
+    def before_peft(self, model: PreTrainedModel, args, **kwargs) -> PreTrainedModel:
+        """Last look at the bare model (e.g. copy it as the reference) before adapters wrap it."""
+        if kwargs:
+            raise PlaitError(f"{type(self).__name__} got unexpected arguments {sorted(kwargs)}")
+        return model
+
+    def prepare(self, dataset, processing_class, args, split: str):
+        return dataset
+
+    def make_collator(self, processing_class, args):
+        raise NotImplementedError
+
+    def after_init(self) -> None:
+        """Runs once the accelerator exists (prepare auxiliary models here)."""
+
+    # -- metrics ------------------------------------------------------------------------------
+    @property
+    def _mode(self) -> str:
+        return "train" if self.model.training else "eval"
+
+    def record(self, metrics: dict[str, torch.Tensor | float]) -> None:
+        """Store this step's metrics (averaged across processes) until the next log."""
+        for name, value in metrics.items():
+            value = torch.as_tensor(value, dtype=torch.float32, device=self.accelerator.device).detach()
+            value = self.accelerator.gather_for_metrics(value.reshape(1)).nanmean()
+            self._metrics[self._mode][name].append(value.item())
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
+        prefix = "eval_" if mode == "eval" else ""
+        for name, values in self._metrics[mode].items():
+            finite = [v for v in values if v == v]
+            logs[prefix + name] = sum(finite) / len(finite) if finite else float("nan")
+        self._metrics[mode].clear()
+        super().log(logs, start_time)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    # -- checkpoints: atomic, with run metadata -----------------------------------------------
+    def run_metadata(self) -> dict[str, Any]:
+        args = self.args
+        metadata = {
+            "plait_version": __version__,
+            "method": self.method,
+            "plugins": [
+                {"name": info.name, "distribution": info.distribution, "version": info.version}
+                for info in self.plugins.distributions()
+            ],
+            "config": {k: _jsonable(getattr(args, k)) for k in config_fields(type(args))},
+        }
+        self.plugins.hook.run_metadata(metadata=metadata)
+        return metadata
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Write the checkpoint into a staging folder, then rename it into place: a crash mid-save
+        never leaves a half-written ``checkpoint-N`` that resume would pick up."""
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging_root = os.path.join(run_dir, ".staging")
+        staged, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
+        if self.args.should_save and os.path.exists(staged):
+            shutil.rmtree(staged)  # leftover of an interrupted save
+        self._get_output_dir = lambda trial: staging_root
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            del self._get_output_dir
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            with open(os.path.join(staged, METADATA_FILE), "w") as handle:
+                json.dump(self.run_metadata(), handle, indent=2)
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(staged, final)
+            if self.state.best_model_checkpoint == staged:
+                self.state.best_model_checkpoint = final
+            self._rotate_checkpoints(use_mtime=False, output_dir=run_dir)
+        self.accelerator.wait_for_everyone()
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        output_dir = output_dir or self.args.output_dir
+        if self.args.should_save and not _internal_call:
+            with open(os.path.join(output_dir, METADATA_FILE), "w") as handle:
+                json.dump(self.run_metadata(), handle, indent=2)
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return str(value)
