@@ -1,0 +1,19 @@
+"""Shared test setup: no model hub, no tokenizer thread pools, no PLAIT_* switches leaking in."""
+
+import os
+
+# Set before transformers/huggingface_hub are imported by any test module: an accidental hub
+# call must fail fast instead of hanging on a network that is not there.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+PLAIT_SWITCHES = ("PLAIT_DISABLE_PLUGINS", "PLAIT_DISABLE_PLUGIN_AUTOLOAD", "PLAIT_ON_PLUGIN_ERROR", "PLAIT_TRACE_HOOKS")
+
+
+@pytest.fixture(autouse=True)
+def _no_plait_switches(monkeypatch):
+    """Each test sees the plugin switches unset unless it sets them itself (with monkeypatch)."""
+    for name in PLAIT_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
