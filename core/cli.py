@@ -103,9 +103,13 @@ BUILTIN = {
 def build_parser(plugins: Plugins) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plait", description="Post-training for language models, as plugins.")
     sub = parser.add_subparsers(dest="command", metavar="command", required=True)
+    from .run import method_command  # run.py builds on this module's Command
+
     commands = dict(BUILTIN)
+    for component in plugins.methods:  # every method, third-party ones included, gets `plait <method>`
+        commands[component.name.split(".", 1)[1]] = method_command(component.name.split(".", 1)[1])
     for component in plugins.commands:
-        commands[component.name.split(".", 1)[1] if component.name.startswith("command.") else component.name] = component.obj
+        commands[component.name.split(".", 1)[1]] = component.obj
     for name, command in commands.items():
         sub_parser = sub.add_parser(name, help=command.help, description=command.help)
         command.add_arguments(sub_parser)

@@ -39,7 +39,7 @@ Register = Callable[..., None]
 
 @hookspec
 def register_methods(register: Register) -> None:
-    """Register training methods (``sft``, ``dpo``, ``grpo``, ``ppo``, ...).
+    """Register training methods (``method.sft``, ``method.dpo``, ``method.grpo``, ...).
 
     ``obj`` is a :class:`plait.Method`: its Config class (TrainingArguments + the method's
     attrs parameters), its Trainer class and the kind of loss batch it hands to losses. The
@@ -127,7 +127,7 @@ def register_judges(register: Register) -> None:
 
 @hookspec
 def register_commands(register: Register) -> None:
-    """Register ``plait`` CLI subcommands.
+    """Register ``plait`` CLI subcommands (``command.vllm-serve`` becomes ``plait vllm-serve``).
 
     ``obj`` is a :class:`plait.cli.Command`: ``add_arguments(parser)`` and ``run(args) -> int``.
     """
