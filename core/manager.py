@@ -82,7 +82,7 @@ class Plugins:
         registries = {kind: Registry(singular) for kind, singular in KINDS.items()}
         for kind in KINDS:
             hook = getattr(self.pm.hook, f"register_{kind}")
-            for impl in reversed(hook.get_hookimpls()):  # registration order
+            for impl in hook.get_hookimpls():  # registration order (pluggy calls them in reverse)
                 info = self.info(impl.plugin_name)
                 if self.trace:
                     print(f"[plait trace] register_{kind} -> {impl.plugin_name}", file=sys.stderr)
