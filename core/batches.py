@@ -129,3 +129,23 @@ class Rollout:
     @property
     def num_groups(self) -> int:
         return self.rewards.shape[0] // self.group_size
+
+
+def _zeros_like_chosen(instance: "PairwiseRewards") -> Tensor:
+    return instance.chosen_rewards.new_zeros(instance.chosen_rewards.shape)
+
+
+@attrs.frozen
+class PairwiseRewards:
+    """Scalar rewards of B preference pairs from a reward model; every tensor has shape ``[B]``.
+
+    ``margin`` is the optional per-pair margin column of the data (zeros when absent).
+    """
+
+    chosen_rewards: Tensor
+    rejected_rewards: Tensor
+    margin: Tensor = attrs.field(default=attrs.Factory(_zeros_like_chosen, takes_self=True))
+
+    @property
+    def batch_size(self) -> int:
+        return self.chosen_rewards.shape[0]
