@@ -104,10 +104,12 @@ class Registry:
             return self._entries[name]
         if family and f"{family}.{name}" in self._entries:
             return self._entries[f"{family}.{name}"]
-        candidates = list(self._entries)
+        # a bare variant ("sigmod") is matched against bare variants but suggested by full name
+        candidates = {n: n for n in self._entries}
         if family:
-            candidates += [n.split(".", 1)[1] for n in self._entries if n.startswith(family + ".")]
-        hint = _close(name, candidates)
+            candidates.update({n.split(".", 1)[1]: n for n in self._entries if n.startswith(family + ".")})
+        match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+        hint = f" (did you mean {candidates[match[0]]!r}?)" if match else ""
         available = ", ".join(sorted(self._entries)) or "none are installed"
         raise UnknownComponentError(f"unknown {self.kind} {name!r}{hint}; available: {available}")
 

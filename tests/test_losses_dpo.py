@@ -215,8 +215,6 @@ def test_unknown_bare_variant_is_refused_with_a_suggestion(losses):
         Objective.build(normalise_loss_specs(["sigmod"]), losses, family="dpo", consumes=PreferenceLogps)
 
 
-@pytest.mark.xfail(strict=True, reason="Registry.get suggests the bare variant 'sigmoid'; core/registry.py "
-                                       "should map a bare match back to 'dpo.sigmoid'")
 def test_unknown_bare_variant_suggests_the_full_name(losses):
     with pytest.raises(UnknownComponentError, match="did you mean 'dpo.sigmoid'"):
         Objective.build(normalise_loss_specs(["sigmod"]), losses, family="dpo", consumes=PreferenceLogps)
