@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import enum
 import logging
+import re
 import sys
 import types
 import typing
@@ -171,8 +172,8 @@ class RunConfig:
     model: str
     dataset: DatasetSpec
     eval_dataset: DatasetSpec | None = None
-    loss: list | None = None
-    reward_funcs: list | None = None
+    loss: str | list | None = None
+    reward_funcs: str | list | None = None
     ref_model: str | None = None
     peft: dict | None = None
     model_init_kwargs: dict | None = None
@@ -182,9 +183,14 @@ class RunConfig:
 
 def _structure(cls: type, data: Any, path: str):
     """Build attrs class ``cls`` from plain data, failing with the field path on any mismatch."""
+    # this module's annotations are strings (``from __future__ import annotations``): resolve
+    # them, or every type check and nested section below would silently accept anything
+    fields = {a.name: a for a in attrs.fields(attrs.resolve_types(cls))}
     if not isinstance(data, Mapping):
-        raise PlaitError(f"{path}: expected a mapping of {cls.__name__} fields, got {data!r}")
-    fields = {a.name: a for a in attrs.fields(cls)}
+        raise PlaitError(
+            f"{path}: expected a mapping of {cls.__name__} fields, got {data!r}; "
+            f"write it as {{{', '.join(f'{key}: ...' for key in fields)}}}"
+        )
     for key in data:
         if key not in fields:
             raise unknown_key_error(path, key, fields)
@@ -208,13 +214,27 @@ def parse_run_config(data: Any, source: str = "config") -> RunConfig:
     return _structure(RunConfig, data, source)
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """YAML 1.2 floats: PyYAML (YAML 1.1) reads ``learning_rate: 5e-6`` as the string '5e-6'."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$"), list("-+0123456789.")
+)
+
+
+def yaml_load(text: str) -> Any:
+    """Parse YAML as a recipe author means it: ``1e-5`` is a float, as in YAML 1.2 and Python."""
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def load_run_config(path: str | Path, overrides: Mapping[str, Any] = {}) -> RunConfig:
     """Read a YAML recipe; ``overrides`` (from command-line flags) replace fields of ``training``."""
     path = Path(path)
     if not path.is_file():
         raise PlaitError(f"--config {str(path)!r}: no such file; pass the path of a YAML recipe")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml_load(path.read_text())
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
