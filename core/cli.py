@@ -109,7 +109,11 @@ def build_parser(plugins: Plugins) -> argparse.ArgumentParser:
     for component in plugins.methods:  # every method, third-party ones included, gets `plait <method>`
         commands[component.name.split(".", 1)[1]] = method_command(component.name.split(".", 1)[1])
     for component in plugins.commands:
-        commands[component.name.split(".", 1)[1]] = component.obj
+        name = component.name.split(".", 1)[1]
+        if name in commands:  # never let a plugin silently replace a built-in or a method's command
+            raise PlaitError(f"command {component.name!r} from plugin {component.plugin} would replace "
+                             f"'plait {name}'; rename it or block the plugin with PLAIT_DISABLE_PLUGINS")
+        commands[name] = component.obj
     for name, command in commands.items():
         sub_parser = sub.add_parser(name, help=command.help, description=command.help)
         command.add_arguments(sub_parser)
@@ -117,10 +121,12 @@ def build_parser(plugins: Plugins) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, plugins: Plugins | None = None) -> int:
+    """Run the ``plait`` command; ``plugins`` defaults to a fresh ``make_plugins()`` (tests pass their own)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        plugins = make_plugins()
+        if plugins is None:
+            plugins = make_plugins()
         parser = build_parser(plugins)
         args, extra = parser.parse_known_args(argv)
         args.extra = extra

@@ -1,0 +1,165 @@
+"""The ``plait`` command: introspection, plugin-contributed subcommands, and error reporting."""
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import plait
+import plait.losses.dpo_sigmoid
+from plait.cli import Command, main
+from plait.errors import PlaitError
+
+PLAIT = Path(sys.executable).parent / "plait"  # the console script installed beside this python
+SIGMOID_SUMMARY = plait.losses.dpo_sigmoid.__doc__.strip().splitlines()[0]
+
+
+def plugin(name: str, **hooks) -> types.ModuleType:
+    module = types.ModuleType(name)
+    for hook_name, fn in hooks.items():
+        setattr(module, hook_name, plait.hookimpl(fn))
+    return module
+
+
+def commands_plugin(name="greeter", **commands: Command) -> types.ModuleType:
+    def register_commands(register):
+        for command_name, command in commands.items():
+            register(f"command.{command_name}", command)
+
+    return plugin(name, register_commands=register_commands)
+
+
+def rows(text: str, columns: int) -> dict[str, list[str]]:
+    """A table printed by the CLI, as {first cell: cells}; the last column may contain spaces."""
+    lines = text.strip().splitlines()
+    assert set(lines[1]) <= {"-", " "}, "second line should underline the header"
+    return {cells[0]: cells for cells in (line.split(None, columns - 1) for line in lines[2:])}
+
+
+def test_plugins_table_lists_dpo_sigmoid_with_its_distribution_and_hooks(capsys):
+    assert main(["plugins"], plugins=plait.make_plugins()) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == ["plugin", "distribution", "version", "hooks"]
+    assert rows(out, 4)["dpo_sigmoid"] == ["dpo_sigmoid", "plait", plait.__version__, "register_losses"]
+
+
+def test_plugins_json(capsys):
+    assert main(["plugins", "--json"], plugins=plait.make_plugins()) == 0
+    entries = {entry["name"]: entry for entry in json.loads(capsys.readouterr().out)}
+    assert entries["dpo_sigmoid"] == {"name": "dpo_sigmoid", "distribution": "plait",
+                                      "version": plait.__version__, "hooks": ["register_losses"]}
+
+
+def test_list_losses_shows_name_plugin_and_one_line_summary(capsys):
+    assert main(["list", "losses"], plugins=plait.make_plugins()) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == ["name", "plugin", "summary"]
+    name, plugin_cell = "dpo.sigmoid", f"dpo_sigmoid (plait {plait.__version__})"
+    row = rows(out, 2)[name][1]
+    assert row.startswith(plugin_cell) and row[len(plugin_cell):].strip() == SIGMOID_SUMMARY
+
+
+def test_list_json_and_an_empty_kind(capsys):
+    rewards = plugin("lengthy", register_rewards=lambda register: register("reward.length", len, doc="Longer is better."))
+    plugins = plait.make_plugins(autoload=False, plugins=[rewards])
+    assert main(["list", "rewards", "--json"], plugins=plugins) == 0
+    [entry] = json.loads(capsys.readouterr().out)
+    assert entry["name"] == "reward.length" and entry["summary"] == "Longer is better."
+    assert entry["plugin"].startswith("lengthy ")
+    assert main(["list", "backends"], plugins=plugins) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 2  # header and rule only
+
+
+def test_list_rejects_an_unknown_kind(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["list", "lossess"], plugins=plait.make_plugins(autoload=False))
+    assert exit_.value.code == 2 and "invalid choice: 'lossess'" in capsys.readouterr().err
+
+
+def test_env_prints_versions(capsys):
+    assert main(["env"], plugins=plait.make_plugins(autoload=False)) == 0
+    info = dict(line.strip().split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    for dist in ("plait", "torch", "transformers", "accelerate", "peft", "datasets", "pluggy"):
+        assert info[dist] == importlib.metadata.version(dist)
+    assert {"python", "vllm", "cuda", "cpu_threads"} <= set(info)
+
+
+def test_plugin_command_becomes_a_subcommand(capsys):
+    seen = []
+
+    def hello(args, plugins):
+        seen.append(plugins)
+        print(f"hello {args.who}")
+        return 0
+
+    greet = Command(hello, lambda parser: parser.add_argument("--who", default="world"), help="say hello")
+    plugins = plait.make_plugins(autoload=False, plugins=[commands_plugin(hello=greet)])
+    assert main(["hello", "--who", "plait"], plugins=plugins) == 0
+    assert capsys.readouterr().out == "hello plait\n" and seen == [plugins]
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"], plugins=plugins)
+    assert exit_.value.code == 0
+    assert "say hello" in capsys.readouterr().out
+
+
+def test_unknown_flags_reach_only_commands_that_accept_them(capsys):
+    def echo(args, plugins):
+        print(args.extra)
+        return 0
+
+    plugins = plait.make_plugins(autoload=False, plugins=[commands_plugin(
+        loose=Command(echo, accepts_extra=True), strict=Command(echo))])
+    assert main(["loose", "--beta", "0.2"], plugins=plugins) == 0
+    assert capsys.readouterr().out == "['--beta', '0.2']\n"
+    with pytest.raises(SystemExit) as exit_:
+        main(["strict", "--beta", "0.2"], plugins=plugins)
+    assert exit_.value.code == 2 and "unrecognized arguments: --beta 0.2" in capsys.readouterr().err
+
+
+def test_plait_error_becomes_one_line_on_stderr_with_exit_code_2(capsys):
+    def fail(args, plugins):
+        raise PlaitError("training.beta: -1 must be a number > 0; set beta: 0.1")
+
+    plugins = plait.make_plugins(autoload=False, plugins=[commands_plugin(fail=Command(fail))])
+    assert main(["fail"], plugins=plugins) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "plait: error: training.beta: -1 must be a number > 0; set beta: 0.1\n"
+
+
+def test_a_plugin_command_cannot_replace_a_built_in(capsys):
+    plugins = plait.make_plugins(autoload=False, plugins=[commands_plugin("clash", list=Command(lambda a, p: 0))])
+    assert main(["list", "losses"], plugins=plugins) == 2
+    assert "plait: error: command 'command.list' from plugin clash would replace 'plait list'" in capsys.readouterr().err
+
+
+def test_no_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([], plugins=plait.make_plugins(autoload=False))
+    assert exit_.value.code == 2 and "usage: plait" in capsys.readouterr().err
+
+
+# -- the installed console script ------------------------------------------------------------------
+
+
+def run_plait(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(PLAIT), *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_console_script_plugins():
+    result = run_plait("plugins")
+    assert result.returncode == 0, result.stderr
+    assert rows(result.stdout, 4)["dpo_sigmoid"] == ["dpo_sigmoid", "plait", plait.__version__, "register_losses"]
+
+
+def test_console_script_reports_a_bad_switch_as_a_plait_error():
+    result = run_plait("plugins", PLAIT_ON_PLUGIN_ERROR="maybe")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == "plait: error: plugins.on_import_error='maybe' is not valid; use 'fail' or 'skip'\n"
