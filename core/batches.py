@@ -149,3 +149,45 @@ class PairwiseRewards:
     @property
     def batch_size(self) -> int:
         return self.chosen_rewards.shape[0]
+
+
+@attrs.frozen
+class PolicyTokens:
+    """Per-token log-probs of B sampled completions for a policy-gradient loss (GRPO, RLOO).
+
+    ``logps`` ``[B, T]`` are the current policy's (with gradient), ``old_logps`` the sampling
+    policy's (detached; equal to ``logps.detach()`` when the batch is used once, on-policy),
+    ``ref_logps`` the reference's (None when beta = 0: no reference exists). ``advantages`` is
+    ``[B]`` (one per sequence) or ``[B, T]``; ``mask`` ``[B, T]`` marks completion tokens that
+    count. ``importance_weights`` ``[B, T]`` multiply the per-token policy term (the correction
+    for a sampler whose log-probs differ from the trainer's, e.g. a bf16 vLLM engine) or None.
+
+    Normalisers a loss may need: ``num_items_in_batch``, the active-token count a token-sum is
+    divided by (the generation batch's tokens per process, scaled to one optimizer step; None:
+    this batch's own ``mask.sum()``), ``gradient_accumulation_steps`` (micro-batches summed into
+    one optimizer step) and ``max_completion_length`` (None: T).
+    """
+
+    logps: Tensor
+    old_logps: Tensor
+    advantages: Tensor
+    mask: Tensor
+    ref_logps: Tensor | None = None
+    importance_weights: Tensor | None = None
+    num_items_in_batch: Tensor | float | None = None
+    gradient_accumulation_steps: int = 1
+    max_completion_length: int | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.logps.shape[0]
+
+    @property
+    def token_advantages(self) -> Tensor:
+        """Advantages broadcastable against ``[B, T]``: ``[B, 1]`` for sequence advantages."""
+        return self.advantages.unsqueeze(-1) if self.advantages.dim() == 1 else self.advantages
+
+    @property
+    def lengths(self) -> Tensor:
+        """|y_i|: counted completion tokens per row, ``[B]`` (float)."""
+        return self.mask.to(self.logps.dtype).sum(-1)
