@@ -1,0 +1,230 @@
+"""The one log-prob path: per-token log-probs of given tokens under a causal LM.
+
+Every method (SFT, DPO, KTO, GRPO, PPO, distillation) calls :func:`token_logprobs`; losses
+consume the log-probs it returns, never logits, so each loss formula exists once.
+
+For a model with logits z_t ∈ R^V at position t and temperature τ,
+
+    log p(x_{t+1} | x_{≤t}) = z_t[x_{t+1}]/τ − logsumexp(z_t/τ)
+    H_t = −Σ_v p_v log p_v                      (entropy of softmax(z_t/τ))
+
+By default the full [B, T, V] logits are never materialised: the model runs once through the
+object passed in (so DDP/FSDP/DeepSpeed wrappers and PEFT adapters see the forward and DDP
+all-reduces every gradient), a pre-hook on the output layer captures its input hidden states
+and lets it project only one position, and then the output layer is applied to chunks of
+positions, each under activation checkpointing so backward recomputes a chunk's logits rather
+than storing them. Peak logits memory is O(chunk_size · V) instead of O(B · T · V).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import attrs
+import torch
+from accelerate.utils import extract_model_from_parallel
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from .errors import PlaitError
+
+__all__ = ["TokenLogprobs", "token_logprobs", "default_chunk_size"]
+
+# fp32 bytes of one chunk's logits; a few temporaries of this size live at once.
+LOGITS_BUDGET_BYTES = 128 * 2**20
+
+
+@attrs.frozen(eq=False)
+class TokenLogprobs:
+    """Per-token statistics aligned to ``input_ids``; every tensor is float32 ``[B, T]``.
+
+    ``logps[:, t] = log p(input_ids[:, t] | input_ids[:, <t])``, so a completion mask aligned to
+    ``input_ids`` applies directly. At a sequence start (t = 0, or ``position_ids == 0`` in a
+    padding-free batch) nothing predicts the token and all three statistics are 0.
+    ``entropy`` is the entropy of the tempered next-token distribution that predicts token t;
+    ``logit_mean`` is the mean over the vocabulary of the model's raw (untempered) logits there.
+    """
+
+    logps: Tensor
+    entropy: Tensor | None = None
+    logit_mean: Tensor | None = None
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """Positions per chunk so one chunk's fp32 logits take about ``LOGITS_BUDGET_BYTES``."""
+    return max(16, min(4096, LOGITS_BUDGET_BYTES // (4 * vocab_size)))
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    position_ids: Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    with_logit_mean: bool = False,
+    chunk_size: int | None = None,
+    chunked: bool = True,
+    **model_kwargs,
+) -> TokenLogprobs:
+    """Log-probs of ``input_ids`` [B, T] under ``model`` (a causal LM, possibly wrapped).
+
+    ``model`` may be a DDP/accelerate-wrapped module or a PEFT model; its forward is always
+    called through that object. A padding-free batch is B = 1 with ``position_ids`` restarting
+    at 0 for each document and ``attention_mask=None``. ``chunk_size`` counts positions over the
+    flattened batch (default :func:`default_chunk_size`). ``chunked=False`` computes full logits
+    through the model's own forward: the same values, for models whose output layer cannot be
+    split off. ``model_kwargs`` go to the model's forward unchanged.
+    """
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and 0 < temperature < float("inf")):
+        raise PlaitError(f"temperature={temperature!r} must be a number > 0; use 1.0 for the model's own distribution")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise PlaitError(f"chunk_size={chunk_size!r} must be an integer >= 1 (positions per chunk) or None for the default")
+    if input_ids.dim() != 2:
+        raise PlaitError(f"input_ids has shape {tuple(input_ids.shape)}; pass a [batch, seq] tensor of token ids")
+
+    if position_ids is not None and attention_mask is not None and bool(attention_mask.all()):
+        # transformers only detects packed documents from position_ids when no mask is given.
+        attention_mask = None
+    forward_kwargs = {"use_cache": False, **model_kwargs}
+    if attention_mask is not None:
+        forward_kwargs["attention_mask"] = attention_mask
+    if position_ids is not None:
+        forward_kwargs["position_ids"] = position_ids
+
+    B, T = input_ids.shape
+    # Position t predicts token t+1; the last position of each row predicts nothing (target 0).
+    targets = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1).reshape(-1)
+    stats = _Stats(temperature, with_entropy, with_logit_mean)
+
+    if chunked:
+        out = _chunked(model, input_ids, forward_kwargs, targets, stats, chunk_size)
+    else:
+        logits = model(input_ids=input_ids, **forward_kwargs).logits
+        out = stats(logits.float().reshape(B * T, -1), targets)
+
+    def align(x: Tensor) -> Tensor:
+        x = torch.cat([x.new_zeros(B, 1), x.reshape(B, T)[:, :-1]], dim=1)
+        if position_ids is not None and position_ids.dim() == 2:
+            x = x.masked_fill(position_ids == 0, 0.0)
+        return x
+
+    aligned = iter(align(x) for x in out)
+    return TokenLogprobs(
+        logps=next(aligned),
+        entropy=next(aligned) if with_entropy else None,
+        logit_mean=next(aligned) if with_logit_mean else None,
+    )
+
+
+@attrs.frozen
+class _Stats:
+    """From fp32 logits [N, V] and targets [N]: (logp, entropy?, logit mean?) each [N]."""
+
+    temperature: float
+    with_entropy: bool
+    with_logit_mean: bool
+
+    def __call__(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, ...]:
+        mean = logits.mean(-1) if self.with_logit_mean else None
+        z = logits / self.temperature if self.temperature != 1.0 else logits
+        logp_all = z.log_softmax(-1)
+        out = [logp_all.gather(-1, targets[:, None]).squeeze(-1)]
+        if self.with_entropy:
+            out.append(-(logp_all.exp() * logp_all).sum(-1))
+        if mean is not None:
+            out.append(mean)
+        return tuple(out)
+
+
+# Output layers already checked to reproduce the model's own logits (see _check_head).
+_checked_heads: weakref.WeakSet = weakref.WeakSet()
+
+
+def _chunked(model, input_ids, forward_kwargs, targets, stats: _Stats, chunk_size) -> tuple[Tensor, ...]:
+    inner = extract_model_from_parallel(model)  # unwraps DDP/compile; PeftModel forwards attributes
+    head = inner.get_output_embeddings()
+    if head is None:
+        raise PlaitError(f"{type(inner).__name__} has no output embeddings; pass chunked=False to token_logprobs")
+    post = _post_head(inner.config)
+
+    # A pre-hook on the output layer rather than output_hidden_states: it sees exactly the
+    # tensor the model projects (after its final norm) for any architecture, keeps no
+    # per-layer states alive, and replaces it by one position per row so full logits never form.
+    captured: list = []
+
+    def keep_last_position(module, args, kwargs):
+        if captured:  # only the first call is the final projection
+            return None
+        h = args[0] if args else kwargs.pop("input")
+        # The RNG state lets _check_head replay dropout inside the layer (e.g. LoRA's) exactly.
+        captured.append((h, None if head in _checked_heads else _rng_state(h.device)))
+        return (h[..., -1:, :], *args[1:]), kwargs
+
+    handle = head.register_forward_pre_hook(keep_last_position, with_kwargs=True)
+    try:
+        output = model(input_ids=input_ids, **forward_kwargs)
+    finally:
+        handle.remove()
+    if not captured:
+        raise PlaitError(f"{type(inner).__name__}'s forward never called its output layer; pass chunked=False to token_logprobs")
+    hidden, rng = captured[0]
+    if rng is not None:
+        _check_head(head, post, hidden, output.logits, rng)
+
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    size = chunk_size or default_chunk_size(getattr(head, "out_features", None) or output.logits.shape[-1])
+
+    def chunk_stats(h: Tensor, t: Tensor) -> tuple[Tensor, ...]:
+        return stats(post(head(h).float()), t)
+
+    needs_grad = torch.is_grad_enabled() and (flat.requires_grad or any(p.requires_grad for p in head.parameters()))
+    pieces = []
+    for h, t in zip(flat.split(size), targets.split(size)):
+        # Backward recomputes this chunk's logits instead of keeping [chunk, V] alive until then.
+        pieces.append(checkpoint(chunk_stats, h, t, use_reentrant=False) if needs_grad else chunk_stats(h, t))
+    return tuple(torch.cat(parts) for parts in zip(*pieces))
+
+
+def _post_head(config) -> Callable[[Tensor], Tensor]:
+    """What a transformers model does to its output layer's result before returning logits."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = getattr(text, "logit_scale", None)  # Cohere multiplies
+    divisor = getattr(text, "logits_scaling", None)  # Granite divides
+    cap = getattr(text, "final_logit_softcapping", None)  # Gemma 2/3: cap·tanh(z/cap)
+
+    def post(z: Tensor) -> Tensor:
+        if isinstance(scale, (int, float)):
+            z = z * scale
+        if isinstance(divisor, (int, float)):
+            z = z / divisor
+        if cap:
+            z = torch.tanh(z / cap) * cap
+        return z
+
+    return post
+
+
+def _rng_state(device: torch.device) -> tuple:
+    accel = None if device.type == "cpu" else torch.get_device_module(device.type).get_rng_state(device)
+    return torch.get_rng_state(), accel
+
+
+def _check_head(head, post, hidden: Tensor, model_logits: Tensor, rng: tuple) -> None:
+    """Once per output layer: our projection of the last position must match the model's."""
+    device = hidden.device
+    accel = [] if device.type == "cpu" else [device]
+    with torch.no_grad(), torch.random.fork_rng(devices=accel, device_type=device.type):
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.get_device_module(device.type).set_rng_state(rng[1], device)
+        ours = post(head(hidden[..., -1:, :]).float())
+    theirs = model_logits.detach().float()
+    if ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=2e-2, atol=2e-2):
+        raise PlaitError(
+            f"{type(head).__name__} output differs from the model's logits (an unknown transform follows the output "
+            "layer); pass chunked=False to token_logprobs"
+        )
+    _checked_heads.add(head)

@@ -1,0 +1,323 @@
+"""The one log-prob path: chunked equals plain, padding-free equals per-document, bounded logits."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import functools
+import math
+
+import peft
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from plait.errors import PlaitError
+from plait.logprobs import LOGITS_BUDGET_BYTES, TokenLogprobs, default_chunk_size, token_logprobs
+
+VOCAB = 300
+FEW = settings(max_examples=12, deadline=None)
+
+
+def tiny_llama(seed: int = 0, tie: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=VOCAB, tie_word_embeddings=tie,
+    )
+    model = LlamaForCausalLM(config)
+    # Random init gives near-uniform logits; a larger head makes them peaked so errors would show.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def shared_llama(tie: bool = False) -> LlamaForCausalLM:
+    return tiny_llama(0, tie)
+
+
+def all_stats(model, ids, mask=None, **kw):
+    return token_logprobs(model, ids, mask, with_entropy=True, with_logit_mean=True, **kw)
+
+
+def weighted_sum(out: TokenLogprobs, mask: torch.Tensor) -> torch.Tensor:
+    """A loss touching all three outputs, so gradients through each are compared."""
+    m = mask.float()
+    return (out.logps * m).sum() + 0.3 * (out.entropy * m).sum() - 0.1 * (out.logit_mean * m).sum()
+
+
+def assert_close_relative(actual, expected, tol=1e-5, msg=""):
+    """fp32 agreement relative to the tensor's scale (gradients here reach magnitudes of ~100)."""
+    scale = max(1.0, expected.abs().max().item())
+    assert (actual - expected).abs().max().item() <= tol * scale, msg
+
+
+def grads(model, loss) -> dict:
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@st.composite
+def padded_batches(draw):
+    batch = draw(st.integers(1, 3))
+    length = draw(st.integers(2, 20))
+    seed = draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, length), generator=gen)
+    lengths = draw(st.lists(st.integers(1, length), min_size=batch, max_size=batch))
+    lengths[0] = length  # one full row, so T is the longest row as a collator would pad it
+    mask = (torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]).long()
+    ids = ids.masked_fill(mask == 0, 0)
+    chunk = draw(st.integers(1, max(1, batch * length - 1)))
+    temperature = draw(st.sampled_from([0.5, 1.0, 1.7]))
+    return ids, mask, chunk, temperature
+
+
+@FEW
+@given(padded_batches(), st.booleans())
+def test_chunked_equals_plain_in_values_and_gradients(case, tie):
+    ids, mask, chunk, temperature = case
+    model = shared_llama(tie)
+    chunked = all_stats(model, ids, mask, chunk_size=chunk, temperature=temperature)
+    plain = all_stats(model, ids, mask, chunked=False, temperature=temperature)
+    for field in ("logps", "entropy", "logit_mean"):
+        assert getattr(chunked, field).shape == ids.shape
+        torch.testing.assert_close(getattr(chunked, field), getattr(plain, field), atol=1e-5, rtol=1e-5)
+    assert (chunked.logps[:, 0] == 0).all() and (plain.logps[:, 0] == 0).all()
+    g_chunked, g_plain = grads(model, weighted_sum(chunked, mask)), grads(model, weighted_sum(plain, mask))
+    assert g_chunked.keys() == g_plain.keys() == {n for n, _ in model.named_parameters()}
+    for name in g_plain:
+        assert_close_relative(g_chunked[name], g_plain[name], msg=name)
+
+
+@FEW
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=4), st.integers(1, 12), st.integers(0, 2**16))
+def test_padding_free_batch_equals_each_document_alone(doc_lengths, chunk, seed):
+    model = shared_llama()
+    gen = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, VOCAB, (1, n), generator=gen) for n in doc_lengths]
+    packed = torch.cat(docs, dim=1)
+    position_ids = torch.cat([torch.arange(n) for n in doc_lengths])[None]
+    with torch.no_grad():
+        together = all_stats(model, packed, position_ids=position_ids, chunk_size=chunk)
+        alone = [all_stats(model, d) for d in docs]
+    for field in ("logps", "entropy", "logit_mean"):
+        expected = torch.cat([getattr(a, field) for a in alone], dim=1)
+        torch.testing.assert_close(getattr(together, field), expected, atol=1e-5, rtol=1e-5)
+    starts = position_ids == 0
+    assert (together.logps[starts] == 0).all() and (together.logps[~starts] < 0).all()
+
+
+def test_padding_free_ignores_an_all_ones_attention_mask():
+    model = shared_llama()
+    ids, position_ids = torch.randint(0, VOCAB, (1, 9)), torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]])
+    with torch.no_grad():
+        with_mask = token_logprobs(model, ids, torch.ones_like(ids), position_ids=position_ids).logps
+        second_alone = token_logprobs(model, ids[:, 4:]).logps
+    torch.testing.assert_close(with_mask[:, 4:], second_alone)
+
+
+@FEW
+@given(padded_batches())
+def test_logps_and_entropy_match_the_full_softmax_computed_directly(case):
+    ids, mask, chunk, temperature = case
+    model = shared_llama()
+    with torch.no_grad():
+        out = all_stats(model, ids, mask, chunk_size=chunk, temperature=temperature)
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    probs = torch.softmax(logits / temperature, dim=-1)
+    entropy = -(probs * probs.log()).sum(-1)
+    logp_next = torch.log(probs[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1))
+    torch.testing.assert_close(out.entropy[:, 1:], entropy[:, :-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.logps[:, 1:], logp_next, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.logit_mean[:, 1:], logits[:, :-1].mean(-1), atol=1e-5, rtol=1e-5)
+    assert (out.entropy[:, 0] == 0).all() and (out.logps[:, 0] == 0).all()
+    # neither one-hot nor uniform, so the comparison above means something
+    assert (entropy > 0.01).all() and entropy.mean() < math.log(VOCAB) - 0.2
+
+
+def test_temperature_one_logps_sum_to_minus_the_causal_lm_loss():
+    model = shared_llama()
+    ids = torch.randint(0, VOCAB, (2, 11))
+    with torch.no_grad():
+        logps = token_logprobs(model, ids, chunk_size=4).logps
+        loss = model(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(-logps[:, 1:].mean(), loss)
+
+
+@pytest.mark.parametrize("target_modules", [["q_proj", "v_proj"], ["q_proj", "lm_head"]])
+def test_lora_model_gets_the_same_values_and_gradients_reach_only_lora(target_modules):
+    model = peft.get_peft_model(tiny_llama(1), peft.LoraConfig(r=4, target_modules=target_modules, lora_dropout=0.0))
+    with torch.no_grad():  # LoRA B starts at zero; move it so the adapter changes the output
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    ids = torch.randint(0, VOCAB, (2, 13))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    chunked = all_stats(model, ids, mask, chunk_size=5)
+    plain = all_stats(model, ids, mask, chunked=False)
+    torch.testing.assert_close(chunked.logps, plain.logps, atol=1e-5, rtol=1e-5)
+    with model.disable_adapter(), torch.no_grad():
+        base = token_logprobs(model, ids, mask).logps
+    assert (chunked.logps - base).abs().max() > 1e-3  # the adapter is really in the path
+    g_chunked, g_plain = grads(model, weighted_sum(chunked, mask)), grads(model, weighted_sum(plain, mask))
+    assert g_chunked and all("lora_" in name for name in g_chunked)
+    assert g_chunked.keys() == {n for n, p in model.named_parameters() if p.requires_grad}
+    for name in g_plain:
+        assert_close_relative(g_chunked[name], g_plain[name], msg=name)
+
+
+def test_lora_dropout_on_the_output_layer_in_training_mode_passes_the_head_check():
+    model = peft.get_peft_model(tiny_llama(2), peft.LoraConfig(r=4, target_modules=["lm_head"], lora_dropout=0.5))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1.0)
+    model.train()
+    out = token_logprobs(model, torch.randint(0, VOCAB, (2, 7)), chunk_size=3)
+    out.logps.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7])
+def test_the_output_layer_never_projects_more_than_chunk_size_positions(chunk):
+    model = tiny_llama(3)
+    ids = torch.randint(0, VOCAB, (3, 6))
+    projected: list[int] = []
+    handle = model.lm_head.register_forward_hook(lambda m, args, out: projected.append(out.reshape(-1, VOCAB).shape[0]))
+    try:
+        token_logprobs(model, ids, chunk_size=chunk, with_entropy=True).logps.sum().backward()
+        first = list(projected)
+        projected.clear()
+        token_logprobs(model, ids, chunk_size=chunk)
+    finally:
+        handle.remove()
+    # Besides the chunks: the model's own call keeps one position per row (3), and the first
+    # call on a model checks that projection once against the model's logits.
+    assert first[:2] == [3, 3] and max(first[2:]) <= chunk
+    assert sum(first[2:]) == 2 * 18  # every position once in forward, once recomputed in backward
+    assert projected[0] == 3 and max(projected[1:]) <= chunk and sum(projected[1:]) == 18
+
+
+def test_plain_path_projects_every_position_for_comparison():
+    model = tiny_llama(3)
+    projected: list[int] = []
+    handle = model.lm_head.register_forward_hook(lambda m, args, out: projected.append(out.reshape(-1, VOCAB).shape[0]))
+    try:
+        token_logprobs(model, torch.randint(0, VOCAB, (3, 10)), chunked=False)
+    finally:
+        handle.remove()
+    assert projected == [30]
+
+
+def test_an_unknown_transform_after_the_output_layer_is_refused_not_silently_wrong():
+    model = tiny_llama(4)
+    model.config.final_logit_softcapping = 0.5  # Llama's forward ignores it; plait would apply it
+    with pytest.raises(PlaitError, match="chunked=False"):
+        token_logprobs(model, torch.randint(0, VOCAB, (1, 6)))
+    token_logprobs(model, torch.randint(0, VOCAB, (1, 6)), chunked=False)
+
+
+def _tiny(model_class, config_class, **extra):
+    torch.manual_seed(5)
+    config = config_class(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, vocab_size=VOCAB, **extra,
+    )
+    return model_class(config)
+
+
+def _gemma2():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return _tiny(Gemma2ForCausalLM, Gemma2Config, final_logit_softcapping=0.8)
+
+
+def _granite():
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    return _tiny(GraniteForCausalLM, GraniteConfig, logits_scaling=4.0)
+
+
+def _cohere():
+    from transformers import CohereConfig, CohereForCausalLM
+
+    return _tiny(CohereForCausalLM, CohereConfig, logit_scale=3.0)
+
+
+@pytest.mark.parametrize("build", [_gemma2, _granite, _cohere], ids=["softcap", "logits_scaling", "logit_scale"])
+def test_models_that_transform_their_logits_agree_chunked_and_plain(build):
+    model = build()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    chunked = all_stats(model, ids, chunk_size=4, temperature=0.8)
+    plain = all_stats(model, ids, chunked=False, temperature=0.8)
+    for field in ("logps", "entropy", "logit_mean"):
+        torch.testing.assert_close(getattr(chunked, field), getattr(plain, field), atol=1e-5, rtol=1e-5)
+
+
+def test_no_grad_and_grad_give_the_same_values():
+    model = shared_llama()
+    ids = torch.randint(0, VOCAB, (2, 8))
+    with torch.no_grad():
+        frozen = token_logprobs(model, ids, chunk_size=3).logps
+    assert not frozen.requires_grad
+    torch.testing.assert_close(token_logprobs(model, ids, chunk_size=3).logps.detach(), frozen)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"temperature": 0.0}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+     ({"chunk_size": 0}, "chunk_size"), ({"chunk_size": 2.5}, "chunk_size")],
+)
+def test_bad_arguments_raise_naming_the_field(kwargs, field):
+    with pytest.raises(PlaitError, match=field):
+        token_logprobs(shared_llama(), torch.zeros(1, 4, dtype=torch.long), **kwargs)
+
+
+def test_default_chunk_size_bounds_one_chunk_of_logits():
+    assert default_chunk_size(32_000) * 32_000 * 4 <= LOGITS_BUDGET_BYTES
+    assert default_chunk_size(32_000) >= 1000 and default_chunk_size(152_064) >= 200
+    assert default_chunk_size(300) == 4096 and default_chunk_size(10**9) == 16
+
+
+def _ddp_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        model = DistributedDataParallel(tiny_llama(6))
+        ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(100 + rank))
+        token_logprobs(model, ids, chunk_size=5).logps.sum().backward()
+        torch.save({n: p.grad for n, p in model.module.named_parameters()}, f"{out_dir}/grads{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_under_ddp_every_gradient_is_all_reduced(tmp_path):
+    """The forward runs through the DDP wrapper, so the output layer's gradient is averaged too."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    reduced = [torch.load(tmp_path / f"grads{r}.pt") for r in range(2)]
+    local = []
+    for rank in range(2):
+        model = tiny_llama(6)
+        ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(100 + rank))
+        local.append(grads(model, token_logprobs(model, ids, chunk_size=5).logps.sum()))
+    for name, g in local[0].items():
+        expected = (g + local[1][name]) / 2
+        assert_close_relative(reduced[0][name], expected, tol=1e-5, msg=name)
+        assert torch.equal(reduced[0][name], reduced[1][name]), name
+    assert not torch.allclose(local[0]["lm_head.weight"], local[1]["lm_head.weight"])
