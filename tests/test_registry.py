@@ -27,17 +27,21 @@ names = st.builds(
     st.lists(st.text(_LOWER + "-", min_size=1, max_size=10), min_size=1, max_size=2),
 )
 
-# Names "far apart": each variant is spelt from its own group of letters and families use
-# none of them, so a one-character edit of one name stays far closer to it (difflib ratio
-# >= 0.875) than to any other registered name (ratio < 0.5, below difflib's 0.6 cutoff).
-GROUPS = ["abcd", "efgh", "ijkl", "mnop", "qrst", "uvwx"]
-FAMILIES = ["y", "z", "yz", "z_y", "y0"]
+# Names "far apart": each variant is spelt from its own group of characters, none repeated
+# (difflib matches blocks greedily, so in 'aabaaa' vs 'aaaaaa' it finds only 3 of 5 common
+# characters), and families use none of them. Then a one-character edit of a name keeps
+# difflib's ratio to it >= 0.8 while its ratio to any other name stays below the 0.6 cutoff.
+GROUPS = ["abcdefgh", "ijklmnop", "qrstuvwx", "01234567"]
+FAMILIES = ["y", "z", "yz", "z_y", "y9"]
 
 
 @st.composite
 def far_apart_names(draw):
     groups = draw(st.lists(st.sampled_from(GROUPS), min_size=1, max_size=len(GROUPS), unique=True))
-    return [f"{draw(st.sampled_from(FAMILIES))}.{draw(st.text(group, min_size=6, max_size=12))}" for group in groups]
+    return [
+        f"{draw(st.sampled_from(FAMILIES))}.{''.join(draw(st.permutations(group))[:draw(st.integers(5, 7))])}"
+        for group in groups
+    ]
 
 
 def one_edit(data, word: str) -> str:
@@ -47,10 +51,10 @@ def one_edit(data, word: str) -> str:
     if edit == "delete":
         return word[:i] + word[i + 1:]
     if edit == "swap":
-        assume(i + 1 < len(word) and word[i] != word[i + 1])
+        assume(i + 1 < len(word))
         return word[:i] + word[i + 1] + word[i] + word[i + 2:]
     group = next(g for g in GROUPS if word[i] in g)
-    return word[:i] + data.draw(st.sampled_from([c for c in group if c != word[i]]), label="char") + word[i + 1:]
+    return word[:i] + data.draw(st.sampled_from([c for c in group if c not in word]), label="char") + word[i + 1:]
 
 
 def filled(registered, kind="loss", plugin="plug", distribution="dist", version="1.0"):
