@@ -203,6 +203,12 @@ def test_plugin_with_a_bad_hook_signature_is_reported_by_entry_point(third_party
     assert isinstance(err.value.__cause__, pluggy.PluginValidationError)
 
 
+def test_installed_plugin_with_a_misspelt_hook_fails_loudly(third_party):
+    module = third_party("typo", registers("fake.typo", kind="loss"))  # register_loss, not register_losses
+    with pytest.raises(pluggy.PluginValidationError, match=f"unknown hook 'register_loss' in plugin <module '{module}'"):
+        plait.make_plugins()
+
+
 @pytest.mark.parametrize("how", ["env", "argument"])
 def test_skip_policy_warns_and_loads_the_others(third_party, monkeypatch, caplog, how):
     third_party("broken", BROKEN, dist="plait-broken", version="0.0.1")
