@@ -129,7 +129,7 @@ def register_judges(register: Register) -> None:
 def register_commands(register: Register) -> None:
     """Register ``plait`` CLI subcommands (``command.vllm-serve`` becomes ``plait vllm-serve``).
 
-    ``obj`` is a :class:`plait.cli.Command`: ``add_arguments(parser)`` and ``run(args) -> int``.
+    ``obj`` is a :class:`plait.cli.Command`: ``add_arguments(parser)`` and ``run(args, plugins) -> int``.
     """
 
 

@@ -145,7 +145,14 @@ def make_plugins(
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             dist = ep.dist.name if ep.dist else "(unknown distribution)"
             version = ep.dist.version if ep.dist else "?"
-            if ep.name in blocked or dist in blocked or pm.has_plugin(ep.name):
+            if ep.name in blocked or dist in blocked:
+                continue
+            if ep.name in infos and infos[ep.name].module != ep.value:
+                raise PluginLoadError(
+                    f"two plugins are named {ep.name!r}: {infos[ep.name].module!r} ({infos[ep.name].distribution}) "
+                    f"and {ep.value!r} ({dist}); uninstall one or block it with PLAIT_DISABLE_PLUGINS"
+                )
+            if ep.name in infos:  # the same distribution seen twice on sys.path
                 continue
             try:
                 module = ep.load()

@@ -12,10 +12,8 @@ import inspect
 import logging
 from typing import Any
 
-import yaml
-
 from .cli import Command
-from .config import RunConfig, build_method_config, config_fields, load_run_config
+from .config import RunConfig, build_method_config, config_fields, load_run_config, yaml_load
 from .errors import PlaitError
 from .manager import Plugins, make_plugins
 
@@ -28,9 +26,9 @@ def parse_overrides(extra: list[str]) -> dict[str, Any]:
     for token in extra:
         if token.startswith("--"):
             key, _, value = token[2:].partition("=")
-            overrides[key] = yaml.safe_load(value) if value else True
+            overrides[key] = yaml_load(value) if value else True
         elif key is not None:
-            overrides[key] = yaml.safe_load(token)
+            overrides[key] = yaml_load(token)
             key = None
         else:
             raise PlaitError(f"unexpected argument {token!r}; config fields are given as --field value")

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 from transformers import PreTrainedModel, Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from . import __version__
 from .config import config_fields
@@ -166,7 +166,7 @@ class PlaitTrainer(Trainer):
             os.replace(staged, final)
             if self.state.best_model_checkpoint == staged:
                 self.state.best_model_checkpoint = final
-            self._rotate_checkpoints(use_mtime=False, output_dir=run_dir)
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
         self.accelerator.wait_for_everyone()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

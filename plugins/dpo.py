@@ -1,0 +1,228 @@
+"""DPO: Direct Preference Optimization (Rafailov et al. 2023) with every loss variant as a plugin.
+
+One forward over 2B rows [chosen…; rejected…] gives the policy's summed completion log-probs;
+the reference's come from a frozen copy, the policy with adapters off (PEFT), or a precomputed
+cache. The method packs both into a :class:`plait.batches.PreferenceLogps` with the configured
+f-divergence and hands it to the composed ``dpo.*`` losses; it never names a loss itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import attrs
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+from transformers import TrainerCallback
+
+from plait import Method, PlaitError, hookimpl
+from plait.batches import PreferenceLogps, masked_mean
+from plait.config import method_config
+from plait.data import prepare_dataset
+from plait.divergences import f_divergence
+from plait.logprobs import token_logprobs
+from plait.models import Reference
+from plait.objective import Objective, normalise_loss_specs
+from plait.params import in_range, positive
+from plait.trainer import PlaitTrainer
+
+
+def _optional(validator):
+    return attrs.validators.optional(validator)
+
+
+@attrs.define
+class DPOParams:
+    """DPO's own knobs; names follow TRL's DPOConfig."""
+
+    beta: float = attrs.field(default=0.1, validator=positive)
+    label_smoothing: float = attrs.field(default=0.0, validator=in_range(0.0, 0.5))
+    loss_type: str | list | None = None
+    loss_weights: list | None = None
+    loss: list | None = None
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = attrs.field(default=0.5, validator=positive)
+    max_length: int | None = 1024
+    truncation_mode: str = "keep_end"
+    pad_to_multiple_of: int | None = None
+    precompute_ref_log_probs: bool = False
+    precompute_ref_batch_size: int | None = None
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = attrs.field(default=0.6, validator=in_range(0.0, 1.0))
+    ref_model_sync_steps: int = attrs.field(default=512, validator=positive)
+    ld_alpha: float | None = attrs.field(default=None, validator=_optional(in_range(0.0, 1.0)))
+    model_init_kwargs: dict | None = None
+    ref_model_init_kwargs: dict | None = None
+    dataset_num_proc: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.loss is not None and self.loss_type is not None:
+            raise PlaitError("DPOConfig: give either loss (plait's list of {name, weight, ...}) or loss_type "
+                             "(TRL's names), not both")
+        if self.precompute_ref_log_probs and self.sync_ref_model:
+            raise PlaitError("DPOConfig: precompute_ref_log_probs=True cannot be combined with sync_ref_model=True "
+                             "(the cached reference would go stale); turn one off")
+        f_divergence(self.f_divergence_type, self.f_alpha_divergence_coef)  # unknown names fail now
+        self.loss_specs()  # malformed loss lists fail now; names are resolved by the trainer
+
+    def loss_specs(self) -> list[dict]:
+        if self.loss is not None:
+            return normalise_loss_specs(self.loss, field="loss")
+        return normalise_loss_specs(self.loss_type or "sigmoid", self.loss_weights, field="loss_type")
+
+
+DPOConfig = method_config(
+    "DPOConfig", DPOParams,
+    defaults={"learning_rate": 1e-6, "logging_steps": 10, "remove_unused_columns": False},
+)
+
+
+class DPOTrainer(PlaitTrainer):
+    """Preference optimisation against a reference, with losses composed by name."""
+
+    method = "dpo"
+    config_class = DPOConfig
+
+    def __init__(self, model, ref_model=None, args=None, **kwargs):
+        super().__init__(model, args=args, ref_model=ref_model, **kwargs)
+
+    def validate(self, args) -> None:
+        p = args.params
+        self.objective = Objective.build(
+            p.loss_specs(), self.plugins.losses, family="dpo", consumes=PreferenceLogps,
+            shared={"beta": p.beta, "label_smoothing": p.label_smoothing},
+        )
+        self.divergence = f_divergence(p.f_divergence_type, p.f_alpha_divergence_coef)
+
+    def before_peft(self, model, args, ref_model=None):
+        p = args.params
+        if self.peft_config is not None and ref_model is None:
+            if p.sync_ref_model:
+                raise PlaitError("sync_ref_model=True needs a separate reference, but with peft_config the reference "
+                                 "is the policy with adapters off; pass ref_model or disable sync_ref_model")
+            self.reference = Reference.adapters_disabled()
+        else:
+            self.reference = Reference.for_policy(model, ref_model, p.ref_model_init_kwargs)
+        return model
+
+    def prepare(self, dataset, processing_class, args, split):
+        if dataset is None:
+            return None
+        p = args.params
+        dataset = prepare_dataset(
+            dataset, processing_class, "preference", plugins=self.plugins, max_length=p.max_length,
+            truncation_mode=p.truncation_mode, num_proc=p.dataset_num_proc,
+        )
+        if p.precompute_ref_log_probs:
+            dataset = self._with_reference_logps(dataset, processing_class, args)
+        return dataset
+
+    def make_collator(self, processing_class, args):
+        factory = self.plugins.collators.get("collator.preference").obj
+        return factory(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
+
+    def after_init(self) -> None:
+        if self.args.params.precompute_ref_log_probs:
+            self.reference = Reference.none()  # every batch carries its cached reference log-probs
+        if self.reference.model is not None:
+            self.reference.model = self.accelerator.prepare_model(self.reference.model, evaluation_mode=True)
+        if self.args.params.sync_ref_model:
+            self.add_callback(_SyncReference(self))
+
+    # -- one step -----------------------------------------------------------------------------
+    def completion_logps(self, model, inputs) -> tuple[torch.Tensor, object]:
+        """Summed log-probs over each row's completion (LD-DPO reweights the tail beyond the shorter one)."""
+        out = token_logprobs(model, inputs["input_ids"], inputs["attention_mask"], with_logit_mean=True)
+        return (out.logps * self._token_weights(inputs["completion_mask"])).sum(-1), out
+
+    def _token_weights(self, mask: torch.Tensor) -> torch.Tensor:
+        alpha = self.args.params.ld_alpha
+        mask = mask.to(torch.float32)
+        if alpha is None:
+            return mask
+        # LD-DPO (Liu et al. 2024, eq. 8): the shared-length prefix counts fully, the excess by α.
+        position = mask.cumsum(-1)
+        shorter = torch.minimum(*mask.sum(-1).chunk(2)).repeat(2).unsqueeze(-1)
+        return torch.where(position <= shorter, 1.0, alpha) * mask
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        logps, out = self.completion_logps(model, inputs)
+        if "ref_chosen_logps" in inputs:
+            ref = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]])
+        else:
+            ref = self.reference(model, lambda m: self.completion_logps(m, inputs)[0])
+        mask = inputs["completion_mask"]
+        (chosen, rejected), (ref_chosen, ref_rejected) = logps.chunk(2), ref.chunk(2)
+        lengths_chosen, lengths_rejected = mask.sum(-1).to(logps.dtype).chunk(2)
+        batch = PreferenceLogps(chosen, rejected, ref_chosen, ref_rejected, lengths_chosen, lengths_rejected,
+                                divergence=self.divergence)
+        loss, parts = self.objective(batch)
+
+        beta = self.args.params.beta
+        reward_chosen, reward_rejected = beta * batch.chosen_logratios.detach(), beta * batch.rejected_logratios.detach()
+        logit_chosen, logit_rejected = out.logit_mean.detach().chunk(2)
+        mask_chosen, mask_rejected = mask.chunk(2)
+        metrics = {
+            "rewards/chosen": reward_chosen.mean(), "rewards/rejected": reward_rejected.mean(),
+            "rewards/margins": (reward_chosen - reward_rejected).mean(),
+            "rewards/accuracies": (reward_chosen > reward_rejected).float().mean(),
+            "logps/chosen": chosen.detach().mean(), "logps/rejected": rejected.detach().mean(),
+            "logits/chosen": masked_mean(logit_chosen, mask_chosen),
+            "logits/rejected": masked_mean(logit_rejected, mask_rejected),
+        }
+        if len(parts) > 1:
+            metrics.update({f"loss/{name}": value.detach() for name, value in parts.items()})
+        self.record(metrics)
+        return (loss, None) if return_outputs else loss
+
+    # -- precomputed reference log-probs ------------------------------------------------------
+    def _with_reference_logps(self, dataset, processing_class, args):
+        """Compute the reference's log-probs once, cached by dataset fingerprint and reference model."""
+        reference = self.reference.model or self._policy
+        identity = f"{dataset._fingerprint}|{reference.name_or_path}|{self.reference.adapters_off}|{args.params.ld_alpha}"
+        key = hashlib.sha256(identity.encode()).hexdigest()[:24]
+        cache = Path(os.environ.get("PLAIT_CACHE", Path.home() / ".cache" / "plait")) / "ref_logps" / f"{key}.safetensors"
+        if cache.exists():
+            cached = load_file(cache)
+        else:
+            cached = self._compute_reference_logps(dataset, processing_class, args)
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(f".tmp{os.getpid()}")
+            save_file(cached, tmp)
+            os.replace(tmp, cache)
+        dataset = dataset.add_column("ref_chosen_logps", cached["chosen"].tolist())
+        return dataset.add_column("ref_rejected_logps", cached["rejected"].tolist())
+
+    def _compute_reference_logps(self, dataset, processing_class, args) -> dict[str, torch.Tensor]:
+        collate = self.make_collator(processing_class, args)
+        self.args = args  # completion_logps reads it; Trainer.__init__ sets the same object later
+        size = args.params.precompute_ref_batch_size or args.per_device_train_batch_size
+        chosen, rejected = [], []
+        for start in tqdm(range(0, len(dataset), size), desc="Reference log-probs"):
+            rows = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
+            inputs = collate(rows)
+            logps = self.reference(self._policy, lambda m: self.completion_logps(m, inputs)[0])
+            c, r = logps.chunk(2)
+            chosen.append(c.float().cpu())
+            rejected.append(r.float().cpu())
+        return {"chosen": torch.cat(chosen), "rejected": torch.cat(rejected)}
+
+
+class _SyncReference(TrainerCallback):
+    """TR-DPO (Gorbatovski et al. 2024): every ref_model_sync_steps, mix the policy into the reference."""
+
+    def __init__(self, trainer: DPOTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.params.ref_model_sync_steps == 0:
+            self.trainer.reference.mix_from(self.trainer.model, args.params.ref_model_mixup_alpha)
+
+
+@hookimpl
+def register_methods(register):
+    register("method.dpo", Method(config=DPOConfig, trainer=DPOTrainer, loss_family="dpo",
+                           summary="Direct Preference Optimization with composable dpo.* losses"))

@@ -1,0 +1,113 @@
+"""DPO end to end on the tiny model: learning happens, the reference is right, bad input is refused."""
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM
+
+from plait import PlaitError
+from plait.plugins.dpo import DPOConfig, DPOTrainer
+from plait.testing.tiny_model import tiny_model_path
+
+WORDS = ["apple", "river", "stone", "cloud", "music", "garden", "window", "paper", "market", "forest",
+         "bridge", "candle", "mirror", "island", "letter", "engine", "silver", "winter", "summer", "planet",
+         "doctor", "pencil", "basket", "rocket", "castle", "butter", "camera", "flower", "jacket", "ladder"]
+
+
+def preference_pairs(words):
+    return Dataset.from_list([
+        {"prompt": f"Tell me about the {w}.", "chosen": f" The {w} is good.", "rejected": f" The {w} is bad."}
+        for w in words
+    ])
+
+
+def config(tmp_path, **overrides):
+    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=30, learning_rate=1e-3,
+                  beta=0.1, logging_steps=5, save_strategy="no", report_to="none", seed=0, max_length=64)
+    return DPOConfig(**{**values, **overrides})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_dpo_learns_held_out_preferences(tmp_path, lora):
+    peft = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear") if lora else None
+    trainer = DPOTrainer(
+        str(tiny_model_path()), args=config(tmp_path, learning_rate=5e-3 if lora else 1e-3),
+        train_dataset=preference_pairs(WORDS[:24]), eval_dataset=preference_pairs(WORDS[24:]), peft_config=peft,
+    )
+    before = trainer.evaluate()
+    trainer.train()
+    after = trainer.evaluate()
+    assert after["eval_rewards/accuracies"] > 0.9
+    assert after["eval_rewards/margins"] > before["eval_rewards/margins"] + 0.1
+    if lora:  # the reference is the policy with adapters off: no second copy of the weights
+        assert trainer.reference.model is None and trainer.reference.adapters_off
+
+
+def test_reference_is_a_frozen_copy_without_peft(tmp_path):
+    trainer = DPOTrainer(str(tiny_model_path()), args=config(tmp_path), train_dataset=preference_pairs(WORDS[:8]))
+    ref, policy = trainer.reference.model, trainer.model
+    assert ref is not policy and not any(p.requires_grad for p in ref.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), policy.parameters()))
+
+
+def test_peft_reference_holds_no_second_copy(tmp_path):
+    peft = LoraConfig(r=4, target_modules="all-linear")
+    trainer = DPOTrainer(str(tiny_model_path()), args=config(tmp_path), train_dataset=preference_pairs(WORDS[:8]),
+                         peft_config=peft)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path())
+    base_params = sum(p.numel() for p in base.parameters())
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in trainer.model.parameters())
+    assert trainer.reference.model is None
+    assert total == base_params + trainable  # the policy is base + adapters; nothing else is held
+
+
+def test_loss_composition_logs_each_part(tmp_path):
+    args = config(tmp_path, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5], max_steps=2, logging_steps=1)
+    trainer = DPOTrainer(str(tiny_model_path()), args=args, train_dataset=preference_pairs(WORDS[:8]))
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert {"loss/dpo.sigmoid", "loss/dpo.sft", "rewards/accuracies", "logits/chosen"} <= set(logged)
+    assert logged["loss"] == pytest.approx(logged["loss/dpo.sigmoid"] + 0.5 * logged["loss/dpo.sft"], rel=1e-4)
+
+
+@pytest.mark.parametrize("overrides, phrase", [
+    ({"beta": 0.0}, "beta=0.0 must be a number > 0"),
+    ({"label_smoothing": 0.7}, "label_smoothing=0.7 must be in [0.0, 0.5]"),
+    ({"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0]}, "loss_weights has 1 values for 2 losses"),
+    ({"precompute_ref_log_probs": True, "sync_ref_model": True}, "precompute_ref_log_probs=True cannot be combined"),
+    ({"f_divergence_type": "reverse_kll"}, "did you mean 'reverse_kl'"),
+])
+def test_bad_config_refused_at_construction(tmp_path, overrides, phrase):
+    with pytest.raises(PlaitError, match=phrase.replace("[", r"\[").replace("]", r"\]")):
+        config(tmp_path, **overrides)
+
+
+def test_unknown_loss_refused_before_the_model_loads(tmp_path):
+    with pytest.raises(PlaitError, match="did you mean 'dpo.sigmoid'"):
+        DPOTrainer("/nonexistent/model", args=config(tmp_path, loss_type="sigmod"), train_dataset=preference_pairs(WORDS))
+
+
+def test_reference_with_another_vocabulary_is_refused(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = LlamaForCausalLM(LlamaConfig(vocab_size=77, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(PlaitError, match="ref_model has vocab_size 77"):
+        DPOTrainer(str(tiny_model_path()), ref_model=other, args=config(tmp_path), train_dataset=preference_pairs(WORDS))
+
+
+def test_precomputed_reference_logps_match_and_are_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLAIT_CACHE", str(tmp_path / "cache"))
+    data = preference_pairs(WORDS[:6])
+    live = DPOTrainer(str(tiny_model_path()), args=config(tmp_path / "a"), train_dataset=data)
+    cached = DPOTrainer(str(tiny_model_path()), args=config(tmp_path / "b", precompute_ref_log_probs=True),
+                        train_dataset=data)
+    assert cached.reference.model is None  # freed after precomputing
+    assert len(list((tmp_path / "cache" / "ref_logps").iterdir())) == 1
+    batch = live.data_collator([live.train_dataset[i] for i in range(6)])
+    ref = live.reference(live.model, lambda m: live.completion_logps(m, batch)[0])
+    stored = torch.tensor(list(cached.train_dataset["ref_chosen_logps"]) + list(cached.train_dataset["ref_rejected_logps"]))
+    torch.testing.assert_close(ref, stored, atol=1e-5, rtol=1e-5)
