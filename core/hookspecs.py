@@ -103,7 +103,8 @@ def register_data_formats(register: Register) -> None:
 def register_collators(register: Register) -> None:
     """Register batch collators by name (``collator.preference``, ``collator.padding_free``).
 
-    ``obj`` is a factory ``(processing_class, args) -> callable(list[example]) -> dict``.
+    ``obj`` is a factory ``(processing_class, **options) -> callable(list[example]) -> dict``
+    of tensors (options such as ``pad_to_multiple_of`` come from the method's config).
     """
 
 
