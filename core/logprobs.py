@@ -50,6 +50,7 @@ class TokenLogprobs:
     entropy: Tensor | None = None
     logit_mean: Tensor | None = None
     argmax: Tensor | None = None  # int64: the most likely token at the position predicting token t
+    collision: Tensor | None = None  # log Σ_v p_v², the log collision probability (WPO's normaliser)
 
 
 def default_chunk_size(vocab_size: int) -> int:
@@ -67,6 +68,7 @@ def token_logprobs(
     with_entropy: bool = False,
     with_logit_mean: bool = False,
     with_argmax: bool = False,
+    with_collision: bool = False,
     chunk_size: int | None = None,
     chunked: bool = True,
     **model_kwargs,
@@ -99,7 +101,7 @@ def token_logprobs(
     B, T = input_ids.shape
     # Position t predicts token t+1; the last position of each row predicts nothing (target 0).
     targets = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1).reshape(-1)
-    stats = _Stats(temperature, with_entropy, with_logit_mean, with_argmax)
+    stats = _Stats(temperature, with_entropy, with_logit_mean, with_argmax, with_collision)
 
     if chunked:
         out = _chunked(model, input_ids, forward_kwargs, targets, stats, chunk_size)
@@ -119,17 +121,19 @@ def token_logprobs(
         entropy=next(aligned) if with_entropy else None,
         logit_mean=next(aligned) if with_logit_mean else None,
         argmax=next(aligned).long() if with_argmax else None,
+        collision=next(aligned) if with_collision else None,
     )
 
 
 @attrs.frozen
 class _Stats:
-    """From fp32 logits [N, V] and targets [N]: (logp, entropy?, logit mean?, argmax?) each [N]."""
+    """From fp32 logits [N, V] and targets [N]: (logp, entropy?, logit mean?, argmax?, collision?) each [N]."""
 
     temperature: float
     with_entropy: bool
     with_logit_mean: bool
     with_argmax: bool = False
+    with_collision: bool = False
 
     def __call__(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, ...]:
         mean = logits.mean(-1) if self.with_logit_mean else None
@@ -142,6 +146,8 @@ class _Stats:
             out.append(mean)
         if self.with_argmax:  # as float so every statistic shares one tensor type; ids < 2**24 are exact
             out.append(logits.argmax(-1).float())
+        if self.with_collision:
+            out.append(torch.logsumexp(2 * logp_all, dim=-1))
         return tuple(out)
 
 

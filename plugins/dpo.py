@@ -54,6 +54,7 @@ class DPOParams:
     ref_model_mixup_alpha: float = attrs.field(default=0.6, validator=in_range(0.0, 1.0))
     ref_model_sync_steps: int = attrs.field(default=512, validator=positive)
     ld_alpha: float | None = attrs.field(default=None, validator=_optional(in_range(0.0, 1.0)))
+    use_weighting: bool = False
     model_init_kwargs: dict | None = None
     ref_model_init_kwargs: dict | None = None
     dataset_num_proc: int | None = None
@@ -135,7 +136,8 @@ class DPOTrainer(PlaitTrainer):
     # -- one step -----------------------------------------------------------------------------
     def completion_logps(self, model, inputs) -> tuple[torch.Tensor, object]:
         """Summed log-probs over each row's completion (LD-DPO reweights the tail beyond the shorter one)."""
-        out = token_logprobs(model, inputs["input_ids"], inputs["attention_mask"], with_logit_mean=True)
+        out = token_logprobs(model, inputs["input_ids"], inputs["attention_mask"], with_logit_mean=True,
+                             with_collision=self.args.params.use_weighting)
         return (out.logps * self._token_weights(inputs["completion_mask"])).sum(-1), out
 
     def _token_weights(self, mask: torch.Tensor) -> torch.Tensor:
@@ -159,7 +161,8 @@ class DPOTrainer(PlaitTrainer):
         lengths_chosen, lengths_rejected = mask.sum(-1).to(logps.dtype).chunk(2)
         batch = PreferenceLogps(chosen, rejected, ref_chosen, ref_rejected, lengths_chosen, lengths_rejected,
                                 divergence=self.divergence)
-        loss, parts = self.objective(batch)
+        weights = self._wpo_weights(out, mask) if self.args.params.use_weighting else None
+        loss, parts = self.objective(batch, example_weights=weights)
 
         beta = self.args.params.beta
         reward_chosen, reward_rejected = beta * batch.chosen_logratios.detach(), beta * batch.rejected_logratios.detach()
@@ -177,6 +180,14 @@ class DPOTrainer(PlaitTrainer):
             metrics.update({f"loss/{name}": value.detach() for name, value in parts.items()})
         self.record(metrics)
         return (loss, None) if return_outputs else loss
+
+    @staticmethod
+    def _wpo_weights(out, mask: torch.Tensor) -> torch.Tensor:
+        """WPO (Zhou et al. 2024, eq. 6): weight each pair by how likely the policy is to sample it,
+        exp(mean_t [log π(y_t) − log Σ_v π(v)²]) for chosen × rejected, capped at 1, no gradient."""
+        per_row = masked_mean((out.logps - out.collision).detach(), mask, dim=-1)
+        chosen, rejected = per_row.chunk(2)
+        return torch.exp(chosen + rejected).clamp(max=1.0)
 
     # -- precomputed reference log-probs ------------------------------------------------------
     def _with_reference_logps(self, dataset, processing_class, args):

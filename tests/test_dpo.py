@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from plait import PlaitError
 from plait.plugins.dpo import DPOConfig, DPOTrainer
+from plait.logprobs import token_logprobs
 from plait.testing.tiny_model import tiny_model_path
 
 WORDS = ["apple", "river", "stone", "cloud", "music", "garden", "window", "paper", "market", "forest",
@@ -111,3 +112,36 @@ def test_precomputed_reference_logps_match_and_are_cached(tmp_path, monkeypatch)
     ref = live.reference(live.model, lambda m: live.completion_logps(m, batch)[0])
     stored = torch.tensor(list(cached.train_dataset["ref_chosen_logps"]) + list(cached.train_dataset["ref_rejected_logps"]))
     torch.testing.assert_close(ref, stored, atol=1e-5, rtol=1e-5)
+
+
+def test_wpo_weights_follow_the_formula(tmp_path):
+    trainer = DPOTrainer(str(tiny_model_path()), args=config(tmp_path, use_weighting=True), train_dataset=preference_pairs(WORDS[:4]))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    with torch.no_grad():
+        out = token_logprobs(trainer.model, batch["input_ids"], batch["attention_mask"], with_collision=True, chunked=False)
+        logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    probs = logits.softmax(-1)
+    collision = torch.cat([torch.zeros(8, 1), (probs ** 2).sum(-1).log()[:, :-1]], dim=1)
+    torch.testing.assert_close(out.collision, collision, atol=1e-5, rtol=1e-5)
+    mask = batch["completion_mask"].float()
+    per_row = ((out.logps - collision) * mask).sum(-1) / mask.sum(-1)
+    expected = torch.exp(per_row[:4] + per_row[4:]).clamp(max=1.0)
+    torch.testing.assert_close(DPOTrainer._wpo_weights(out, batch["completion_mask"]), expected)
+    assert ((expected > 0) & (expected <= 1)).all()
+
+
+def test_ld_alpha_weights_the_tail_beyond_the_shorter_completion(tmp_path):
+    trainer = DPOTrainer(str(tiny_model_path()), args=config(tmp_path, ld_alpha=0.25), train_dataset=preference_pairs(WORDS[:2]))
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0], [0, 0, 1, 1, 0, 0]])  # chosen has 4 completion tokens, rejected 2
+    weights = trainer._token_weights(torch.cat([mask[:1], mask[1:]]))
+    assert weights.tolist() == [[0, 1, 1, 0.25, 0.25, 0], [0, 0, 1, 1, 0, 0]]
+
+
+def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path):
+    args = config(tmp_path, sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.6, max_steps=2)
+    trainer = DPOTrainer(str(tiny_model_path()), args=args, train_dataset=preference_pairs(WORDS[:16]))
+    original = {n: p.detach().clone() for n, p in trainer.reference.model.named_parameters()}
+    trainer.train()
+    policy = dict(trainer.model.named_parameters())
+    for name, param in trainer.reference.model.named_parameters():
+        torch.testing.assert_close(param, 0.6 * policy[name].detach() + 0.4 * original[name])
