@@ -1,0 +1,485 @@
+"""Scoring for online RL: resolve reward specs, call reward functions, summarise, pick an estimator.
+
+A method (GRPO, RLOO, ...) does four things with this module, and names no concrete reward:
+
+* :func:`resolve_reward_funcs` turns the user's ``reward_funcs`` into :class:`RewardFunction`
+  objects before any model loads. An entry is a registered name (``think_format`` or
+  ``reward.think_format``), a mapping ``{name, weight?, **params}`` (factories take params), or
+  anything the ``resolve_reward`` hook understands: a callable, an import path
+  ``pkg.module:func``, a sequence-classification reward model or its folder.
+* :func:`compute_rewards` calls every function on one batch of completions and returns
+  ``[N, K]`` scores with NaN for None. Async functions run concurrently in one event loop. A
+  function that raises is called again one example at a time to name the example that fails.
+* :func:`reward_metrics` gives the logged reward statistics; :func:`resolve_advantage_estimator`
+  turns an advantage spec into a callable over :class:`plait.batches.Rollout`.
+
+This module is ``plait.scoring`` rather than ``plait.rewards``: that name is the package of
+built-in reward plugins (the ``rewards/`` folder).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import numbers
+import os
+import threading
+from typing import Any, Callable, Mapping, Sequence
+
+import attrs
+import torch
+from torch import Tensor
+
+from .batches import Rollout
+from .errors import PlaitError
+from .registry import Component, UnknownComponentError
+
+logger = logging.getLogger("plait")
+
+RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
+ON_ERROR = ("fail", "none")
+_SOURCES_HINT = "or give a callable, an import path 'pkg.module:func', or a reward-model folder"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward functions
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+@attrs.frozen
+class RewardFunction:
+    """One resolved reward: a name for logs (``rewards/<name>/mean``), the function, its weight.
+
+    ``fn(**kwargs)`` returns one float or None per completion (or an awaitable of that list when
+    ``is_async``); see :func:`compute_rewards` for the keyword arguments.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    weight: float = 1.0
+    is_async: bool = attrs.field(default=attrs.Factory(lambda self: _is_async(self.fn), takes_self=True))
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return self.fn(**kwargs)
+
+
+def reward_name(fn: Any) -> str:
+    """The name a callable is logged under: its ``__name__``, through partials, or its class name."""
+    if isinstance(fn, RewardFunction):
+        return fn.name
+    while hasattr(fn, "func") and not hasattr(fn, "__name__"):  # functools.partial
+        fn = fn.func
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def completion_text(completion: Any) -> str:
+    """The text of one completion: a string as is, or the last assistant message's content.
+
+    Conversational completions are lists of ``{"role", "content"}`` messages; content may be a
+    string or a list of ``{"type": "text", "text": ...}`` parts.
+    """
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, (list, tuple)) and all(isinstance(m, Mapping) for m in completion):
+        if not completion:
+            return ""
+        message = next((m for m in reversed(completion) if m.get("role") == "assistant"), completion[-1])
+        content = message.get("content")
+        if isinstance(content, (list, tuple)):
+            return "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+        return content if isinstance(content, str) else ""
+    raise PlaitError(
+        f"completion {completion!r:.80} is neither a string nor a list of messages; "
+        "pass completions as text or as [{'role': 'assistant', 'content': ...}]"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolution
+# ---------------------------------------------------------------------------------------------
+
+
+def _finite_weight(weight: Any, where: str) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+        raise PlaitError(f"{where}.weight={weight!r} must be a finite number")
+    return float(weight)
+
+
+def _from_component(component: Component, values: dict, shared: Mapping[str, Any], where: str) -> Callable:
+    if component.params is None:
+        component.make_params(**values)  # raises "takes no parameters" when values are given
+        return component.obj
+    fields = attrs.fields(component.params)
+    values = {**{k: v for k, v in shared.items() if k in {f.name for f in fields}}, **values}
+    missing = [f.name for f in fields if f.default is attrs.NOTHING and f.name not in values]
+    if missing:
+        short = component.name.removeprefix("reward.")
+        raise PlaitError(
+            f"{where}: reward {component.name!r} needs {', '.join(missing)}; write it as "
+            f"{{name: {short}, {', '.join(f'{m}: ...' for m in missing)}}}"
+        )
+    fn = component.obj(component.make_params(**values))
+    if not callable(fn):
+        raise PlaitError(f"reward factory {component.name!r} from {component.plugin} returned {fn!r}, not a callable")
+    return fn
+
+
+def resolve_reward_funcs(
+    specs: Any,
+    plugins: Any = None,
+    processing_class: Any = None,
+    *,
+    shared: Mapping[str, Any] = {},
+    field: str = "reward_funcs",
+) -> list[RewardFunction]:
+    """Resolve ``reward_funcs`` (one entry or a list) into :class:`RewardFunction` objects.
+
+    ``shared`` fills parameters a factory entry leaves unset (a method may pass e.g.
+    ``{"max_len": max_completion_length}``). Names are made unique (``accuracy``, ``accuracy_2``)
+    so each reward gets its own metrics. Every problem is a one-line :class:`PlaitError`.
+    """
+    if plugins is None:
+        from .manager import default_plugins
+
+        plugins = default_plugins()
+    entries = list(specs) if isinstance(specs, (list, tuple)) else [specs]
+    if not entries or specs is None:
+        raise PlaitError(f"{field} is empty; give at least one reward, e.g. {field}: [think_format]")
+    funcs: list[RewardFunction] = []
+    for i, entry in enumerate(entries):
+        where = f"{field}[{i}]"
+        values: dict = {}
+        weight = None
+        target = entry
+        if isinstance(entry, Mapping):
+            values = dict(entry)
+            if "name" not in values:
+                raise PlaitError(f"{where} has no 'name'; write e.g. {{name: soft_overlong, max_len: 512, weight: 0.5}}")
+            target = values.pop("name")
+            if "weight" in values:
+                weight = _finite_weight(values.pop("weight"), where)
+        funcs.append(_resolve_one(target, values, weight, plugins, processing_class, shared, where))
+    seen: dict[str, int] = {}
+    unique = []
+    for func in funcs:
+        seen[func.name] = seen.get(func.name, 0) + 1
+        unique.append(func if seen[func.name] == 1 else attrs.evolve(func, name=f"{func.name}_{seen[func.name]}"))
+    return unique
+
+
+def _resolve_one(target, values, weight, plugins, processing_class, shared, where) -> RewardFunction:
+    if isinstance(target, RewardFunction):
+        return target if weight is None else attrs.evolve(target, weight=weight)
+    unknown: UnknownComponentError | None = None
+    if isinstance(target, str):
+        try:
+            component = plugins.rewards.get(target, family="reward")
+        except UnknownComponentError as err:
+            unknown = err
+        else:
+            fn = _from_component(component, values, shared, where)
+            return RewardFunction(component.name.removeprefix("reward."), fn, 1.0 if weight is None else weight)
+    if values:
+        raise PlaitError(
+            f"{where}: parameters {sorted(values)} apply only to registered reward factories, "
+            f"and {target!r:.80} is not one; remove them"
+        )
+    found = plugins.hook.resolve_reward(spec=target, processing_class=processing_class)
+    if found is None:
+        if unknown is not None:
+            raise UnknownComponentError(f"{where}: {unknown}; {_SOURCES_HINT}") from None
+        raise PlaitError(f"{where}: cannot use {type(target).__name__} {target!r:.80} as a reward; {_SOURCES_HINT}")
+    if not isinstance(found, RewardFunction):
+        found = RewardFunction(reward_name(found), found)
+    return found if weight is None else attrs.evolve(found, weight=weight)
+
+
+def reward_weights(funcs: Sequence[RewardFunction], weights: Sequence[float] | None = None) -> Tensor:
+    """The ``[K]`` weight vector: each function's own weight, or ``weights`` (TRL's reward_weights)."""
+    if weights is None:
+        return torch.tensor([f.weight for f in funcs], dtype=torch.float32)
+    weights = list(weights)
+    if len(weights) != len(funcs):
+        raise PlaitError(
+            f"reward_weights has {len(weights)} values for {len(funcs)} reward functions "
+            f"{[f.name for f in funcs]}; give one weight per reward function"
+        )
+    return torch.tensor([_finite_weight(w, f"reward_weights[{i}]") for i, w in enumerate(weights)], dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Calling reward functions
+# ---------------------------------------------------------------------------------------------
+
+
+class _LoopThread:
+    """One event loop in a daemon thread, kept for the process: async rewards that hold clients
+    (HTTP sessions, sandboxes) bound to a loop keep working from one step to the next."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.pid = os.getpid()
+        threading.Thread(target=self.loop.run_forever, name="plait-rewards", daemon=True).start()
+
+
+_loop_lock = threading.Lock()
+_loop: _LoopThread | None = None
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    global _loop
+    with _loop_lock:
+        if _loop is None or _loop.pid != os.getpid():  # a forked child has no loop thread
+            _loop = _LoopThread()
+        return _loop.loop
+
+
+async def _gather(awaitables: list) -> list:
+    return await asyncio.gather(*awaitables, return_exceptions=True)
+
+
+def _invoke(calls: list[tuple[Callable, dict]]) -> list[Any]:
+    """Call each ``fn(**kwargs)``: sync ones here in order (math-verify's timeouts need the main
+    thread), then every awaitable concurrently in one loop. Exceptions are returned, not raised."""
+    out: list[Any] = [None] * len(calls)
+    pending: dict[int, Any] = {}
+    for i, (fn, kwargs) in enumerate(calls):
+        try:
+            result = fn(**kwargs)
+        except Exception as err:  # noqa: BLE001 - attributed to the reward by the caller
+            out[i] = err
+            continue
+        if inspect.isawaitable(result):
+            pending[i] = result
+        else:
+            out[i] = result
+    if pending:
+        results = asyncio.run_coroutine_threadsafe(_gather(list(pending.values())), _event_loop()).result()
+        for i, result in zip(pending, results):
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result
+            out[i] = result
+    return out
+
+
+def _column(func: RewardFunction, values: Any, n: int) -> list[float]:
+    if torch.is_tensor(values) or (hasattr(values, "tolist") and not isinstance(values, (list, tuple))):
+        values = values.reshape(-1).tolist() if torch.is_tensor(values) else values.tolist()
+    if not isinstance(values, (list, tuple)) or len(values) != n:
+        size = f"length {len(values)}" if isinstance(values, (list, tuple)) else type(values).__name__
+        raise PlaitError(
+            f"reward {func.name!r} returned {size} for {n} completions; return a list with one float "
+            "or None per completion"
+        )
+    column = []
+    for i, value in enumerate(values):
+        if torch.is_tensor(value) and value.numel() == 1:
+            value = value.item()
+        if value is None:
+            column.append(math.nan)
+        elif isinstance(value, numbers.Real):
+            value = float(value)
+            if math.isinf(value):
+                raise PlaitError(f"reward {func.name!r} returned {value} for example {i}; return a finite float or None")
+            column.append(value)
+        else:
+            raise PlaitError(
+                f"reward {func.name!r} returned {value!r:.60} for example {i}; return a float or None per completion"
+            )
+    return column
+
+
+def _one_example(kwargs: dict, i: int, n: int) -> dict:
+    return {k: (v[i : i + 1] if k != "trainer_state" and isinstance(v, (list, tuple)) and len(v) == n else v)
+            for k, v in kwargs.items()}
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _describe(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def _after_failure(func: RewardFunction, kwargs: dict, n: int, error: Exception, on_error: str) -> list[Any]:
+    """Re-run a failed reward one example at a time: name the example that fails, and under
+    ``on_error='none'`` score it None while the others keep their scores."""
+    if isinstance(error, PlaitError):  # a configuration problem (a missing column, say), not an example
+        raise error
+    results = _invoke([(func.fn, _one_example(kwargs, i, n)) for i in range(n)])
+    failed = [(i, r) for i, r in enumerate(results) if isinstance(r, Exception)]
+    for _, err in failed:
+        if isinstance(err, PlaitError):
+            raise err
+    if on_error == "fail":
+        if failed:
+            i, err = failed[0]
+            raise PlaitError(
+                f"reward {func.name!r} raised on example {i} of {n} ({_describe(err)}); fix the reward, "
+                "or set the reward error policy to 'none' to score failures as None"
+            ) from err
+        raise PlaitError(
+            f"reward {func.name!r} raised on the batch of {n} completions but on no single one "
+            f"({_describe(error)}); make it work on any batch size"
+        ) from error
+    key = (func.name, type(failed[0][1] if failed else error).__name__)
+    message = (
+        f"reward {func.name!r} raised on example(s) {[i for i, _ in failed][:10]} of {n} "
+        f"({_describe(failed[0][1] if failed else error)}); scored as None (reward error policy 'none')"
+    )
+    logger.log(logging.DEBUG if key in _warned else logging.WARNING, message)
+    _warned.add(key)
+    return [None if isinstance(r, Exception) else _column(func, r, 1)[0] for r in results]
+
+
+def compute_rewards(
+    funcs: Sequence[RewardFunction],
+    *,
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Sequence[Sequence[int]],
+    columns: Mapping[str, Sequence[Any]] | None = None,
+    trainer_state: Any = None,
+    on_error: str = "fail",
+) -> Tensor:
+    """Score N completions with K reward functions: a float32 ``[N, K]`` tensor, NaN for None.
+
+    Each function is called once with keyword arguments ``prompts``, ``completions``,
+    ``completion_ids`` (unpadded token ids), ``trainer_state`` and every entry of ``columns``
+    (the extra dataset columns, e.g. ``solution``; one value per completion). Sync functions run
+    first, in order, in this thread; async ones then run concurrently in one event loop.
+
+    ``on_error``: ``"fail"`` raises a :class:`PlaitError` naming the reward and the example
+    (the original exception chained); ``"none"`` scores the failing examples as None and logs a
+    warning once per reward and exception type. A reward that raises ``PlaitError`` or returns
+    the wrong number of values always fails.
+    """
+    if on_error not in ON_ERROR:
+        raise PlaitError(f"on_error={on_error!r} is not valid; use 'fail' or 'none'")
+    n = len(completions)
+    columns = dict(columns or {})
+    clash = sorted(set(columns) & set(RESERVED))
+    if clash:
+        raise PlaitError(f"dataset column {clash[0]!r} clashes with a reward-function argument; rename the column")
+    for name, values in {"prompts": prompts, "completion_ids": completion_ids, **columns}.items():
+        if len(values) != n:
+            raise PlaitError(f"{name} has {len(values)} values for {n} completions; give one per completion")
+    kwargs = {"prompts": list(prompts), "completions": list(completions), "completion_ids": list(completion_ids),
+              "trainer_state": trainer_state, **{k: list(v) for k, v in columns.items()}}
+    results = _invoke([(func.fn, dict(kwargs)) for func in funcs])
+    scores = torch.full((n, len(funcs)), math.nan, dtype=torch.float32)
+    for k, (func, result) in enumerate(zip(funcs, results)):
+        values = _after_failure(func, kwargs, n, result, on_error) if isinstance(result, Exception) else result
+        scores[:, k] = torch.tensor(_column(func, values, n), dtype=torch.float32)
+    return scores
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics and metrics
+# ---------------------------------------------------------------------------------------------
+
+
+def nan_mean_std(values: Tensor, dim: int = -1, keepdim: bool = False) -> tuple[Tensor, Tensor]:
+    """Mean and unbiased (Bessel) std of the non-NaN entries along ``dim``, in float64.
+
+    The mean is NaN where every entry is NaN; the std is 0 where fewer than two entries are set
+    (one sample has no spread to normalise by). float64 because advantages divide small
+    differences of large rewards by their spread, where float32 rounding would show.
+    """
+    values = values.double()
+    valid = ~values.isnan()
+    count = valid.sum(dim, keepdim=True)
+    mean = torch.where(valid, values, 0.0).sum(dim, keepdim=True) / count.clamp(min=1)
+    square = torch.where(valid, (values - mean) ** 2, 0.0).sum(dim, keepdim=True)
+    std = torch.where(count >= 2, (square / (count - 1).clamp(min=1)).sqrt(), 0.0)
+    mean = torch.where(count >= 1, mean, math.nan)
+    return (mean, std) if keepdim else (mean.squeeze(dim), std.squeeze(dim))
+
+
+def check_groups(n: int, group_size: int) -> None:
+    if group_size < 1 or n % group_size:
+        raise PlaitError(f"{n} completions do not split into groups of {group_size}; give num_generations completions per prompt")
+
+
+def group_mean_std(values: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """Per-row mean and std of each row's group (``group_size`` consecutive rows), NaN-aware; ``[N]`` float64 each."""
+    check_groups(values.shape[0], group_size)
+    mean, std = nan_mean_std(values.view(-1, group_size), dim=1, keepdim=True)
+    return mean.expand(-1, group_size).reshape(-1), std.expand(-1, group_size).reshape(-1)
+
+
+def total_reward(rollout: Rollout) -> Tensor:
+    """R = Σ_k w_k·r_k in float64, None (NaN) entries skipped; NaN where every reward is None."""
+    return attrs.evolve(rollout, rewards=rollout.rewards.double(), weights=rollout.weights.double()).total_reward
+
+
+def reward_metrics(
+    rewards: Tensor, names: Sequence[str], group_size: int, weights: Tensor | Sequence[float] | None = None
+) -> dict[str, float]:
+    """Logged reward statistics of one generation batch (gather across processes first).
+
+    ``rewards/<name>/mean`` and ``/std`` per function (over the completions it scored),
+    ``reward`` (mean of R over completions with any score), ``reward_std`` (mean over groups of
+    the within-group std of R) and ``frac_reward_zero_std`` (the share of groups whose R does
+    not vary: they carry no learning signal).
+    """
+    rewards = rewards.double()
+    if rewards.dim() != 2 or rewards.shape[1] != len(names):
+        raise PlaitError(f"rewards of shape {tuple(rewards.shape)} do not match {len(names)} reward names")
+    weights = torch.ones(len(names)) if weights is None else torch.as_tensor(weights)
+    metrics: dict[str, float] = {}
+    for k, name in enumerate(names):
+        mean, std = nan_mean_std(rewards[:, k], dim=0)
+        metrics[f"rewards/{name}/mean"] = mean.item()
+        metrics[f"rewards/{name}/std"] = std.item()
+    total = total_reward(Rollout(rewards=rewards, weights=weights, group_size=group_size))
+    check_groups(total.shape[0], group_size)
+    metrics["reward"] = nan_mean_std(total, dim=0)[0].item()
+    _, group_std = nan_mean_std(total.view(-1, group_size), dim=1)
+    metrics["reward_std"] = group_std.mean().item()
+    metrics["frac_reward_zero_std"] = torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item()
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Advantage estimators
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class AdvantageEstimator:
+    """A registered estimator bound to its validated parameters: ``estimator(rollout) -> [N]``."""
+
+    component: Component
+    params: Any
+
+    @property
+    def name(self) -> str:
+        return self.component.name
+
+    @property
+    def zero_mean_per_group(self) -> bool:
+        return bool(self.component.options.get("zero_mean_per_group", False))
+
+    def __call__(self, rollout: Rollout) -> Tensor:
+        return self.component.obj(rollout, self.params)
+
+
+def resolve_advantage_estimator(spec: str | Mapping[str, Any], plugins: Any = None, *, field: str = "advantage") -> AdvantageEstimator:
+    """``"group"`` / ``"advantage.rloo"`` / ``{name: group, scale: false}`` -> :class:`AdvantageEstimator`."""
+    if plugins is None:
+        from .manager import default_plugins
+
+        plugins = default_plugins()
+    values = dict(spec) if isinstance(spec, Mapping) else {"name": spec}
+    if not isinstance(values.get("name"), str):
+        raise PlaitError(f"{field} needs a name, e.g. {field}: group or {{name: group, scale: false}}; got {spec!r}")
+    component = plugins.advantage_estimators.get(values.pop("name"), family="advantage")
+    return AdvantageEstimator(component, component.make_params(**values))

@@ -1,0 +1,128 @@
+"""Sequence-classification reward models as reward functions.
+
+Answers ``resolve_reward`` for a loaded ``PreTrainedModel`` whose class is a
+``…ForSequenceClassification`` with one label, and for a string naming one: a local folder or a
+hub id (``org/name``). ``processing_class``, when given (TRL's ``reward_processing_classes``),
+is the reward model's tokenizer; otherwise the one saved with the model is loaded. The model scores the prompt followed by the completion, rendered with its
+own tokenizer's chat template when the prompt is a conversation, and its single logit is the
+reward. As in Ouyang et al. 2022, "Training language models to follow instructions with human
+feedback" (InstructGPT), §3.5: the reward model reads the whole exchange and returns a scalar.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import attrs
+import torch
+
+from plait import hookimpl
+from plait.errors import PlaitError
+from plait.scoring import RewardFunction, completion_text
+
+
+def _is_conversation(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+@attrs.frozen(eq=False)
+class RewardModelScorer:
+    """Calls a sequence classifier on prompt + completion, ``batch_size`` texts at a time."""
+
+    model: Any
+    tokenizer: Any
+    batch_size: int = 8
+    max_length: int | None = None
+
+    def text(self, prompt: Any, completion: Any) -> tuple[str, bool]:
+        """The text to score, and whether it already holds the template's special tokens."""
+        if _is_conversation(prompt):
+            messages = list(completion) if _is_conversation(completion) else [
+                {"role": "assistant", "content": completion_text(completion)}]
+            return self.tokenizer.apply_chat_template(list(prompt) + messages, tokenize=False), True
+        return str(prompt) + completion_text(completion), False
+
+    @torch.inference_mode()
+    def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
+        texts = [self.text(p, c) for p, c in zip(prompts, completions)]
+        device = next(self.model.parameters()).device
+        scores: list[float] = []
+        for start in range(0, len(texts), self.batch_size):
+            chunk = texts[start : start + self.batch_size]
+            batch = self.tokenizer(
+                [t for t, _ in chunk], padding=True, truncation=self.max_length is not None,
+                max_length=self.max_length, add_special_tokens=not chunk[0][1], return_tensors="pt",
+            ).to(device)
+            logits = self.model(**batch).logits
+            scores += logits[:, 0].float().tolist()
+        return scores
+
+
+def _check_classifier(model: Any, where: str) -> None:
+    if not type(model).__name__.endswith("ForSequenceClassification"):
+        raise PlaitError(f"reward model {where!r} is a {type(model).__name__}, not a …ForSequenceClassification; "
+                         "train one with the reward method or pick a reward-model checkpoint")
+    if model.config.num_labels != 1:
+        raise PlaitError(f"reward model {where!r} has num_labels={model.config.num_labels}; a reward model has one "
+                         "output (num_labels=1)")
+
+
+def reward_model_function(model: Any, tokenizer: Any = None, *, batch_size: int = 8) -> RewardFunction:
+    """Wrap a loaded sequence classifier (and its tokenizer, else loaded from its folder)."""
+    where = model.config.name_or_path or type(model).__name__
+    _check_classifier(model, where)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model.config.name_or_path)
+        except Exception as err:  # noqa: BLE001 - any loading failure means the same to the user
+            raise PlaitError(f"reward model {where!r}: no tokenizer could be loaded from its name_or_path "
+                             f"({type(err).__name__}); pass the model's folder instead") from err
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.config.pad_token_id is None:  # the classifier reads the last non-pad token
+        model.config.pad_token_id = tokenizer.pad_token_id
+    model.eval()
+    name = os.path.basename(str(where).rstrip("/")) or "reward_model"
+    return RewardFunction(name, RewardModelScorer(model, tokenizer, batch_size))
+
+
+def _looks_like_model(spec: str) -> bool:
+    if os.path.isdir(spec):
+        return True
+    if spec.startswith(("/", "./", "../", "~")):
+        raise PlaitError(f"reward model folder {spec!r} does not exist; check the path")
+    # a hub id "org/name": registry names and import paths never contain a slash
+    return spec.count("/") == 1 and ":" not in spec
+
+
+def load_reward_model(path: str, tokenizer: Any = None) -> RewardFunction:
+    """Load a sequence-classification reward model (and its tokenizer unless given) from a folder or hub id."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as err:  # noqa: BLE001 - any loading failure means the same to the user
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise PlaitError(f"reward model {path!r} could not be loaded ({type(err).__name__}: {first}); check the path") from err
+    architectures = config.architectures or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        # loading it anyway would put a randomly initialised score head on top
+        raise PlaitError(f"reward model {path!r} is a {architectures or config.model_type} checkpoint, not a "
+                         "…ForSequenceClassification; train one with the reward method or pick a reward-model checkpoint")
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    return reward_model_function(model, tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path))
+
+
+@hookimpl
+def resolve_reward(spec, processing_class):
+    from transformers import PreTrainedModel
+
+    tokenizer = getattr(processing_class, "tokenizer", None) or processing_class
+    if isinstance(spec, PreTrainedModel):
+        return reward_model_function(spec, tokenizer)
+    if isinstance(spec, (str, os.PathLike)) and _looks_like_model(os.fspath(spec)):
+        return load_reward_model(os.fspath(spec), tokenizer)
+    return None

@@ -1,0 +1,77 @@
+"""Cosine length-scaled accuracy: short correct answers earn most, short wrong answers lose most.
+
+Yeo et al. 2025, "Demystifying Long Chain-of-Thought Reasoning in LLMs", §4.1 (cosine reward).
+With t = min(|y|, L) / L (|y| the completion's token count, L = ``max_len``) and
+c = cos(π·t), a correct answer scores
+
+    r = min_value_correct + ½·(max_value_correct − min_value_correct)·(1 + c)
+
+(max_value_correct at length 0, falling to min_value_correct at L), and a wrong one
+
+    r = max_value_wrong + ½·(min_value_wrong − max_value_wrong)·(1 + c)
+
+(min_value_wrong at length 0, rising to max_value_wrong at L: thinking longer before a wrong
+answer is punished less). Correctness is math-verify's, as in ``reward.accuracy``; a gold
+solution with no parsable answer scores None. Needs ``pip install 'plait[math]'``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from plait import hookimpl
+from plait.params import finite
+from plait.scoring import completion_text
+
+from ._math import accuracy_of, column_of, require_math_verify
+
+NAME = "cosine_scaled"
+
+
+def _positive_int(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{attribute.name}={value!r} must be a whole number of tokens > 0")
+
+
+@attrs.frozen
+class CosineScaled:
+    """Parameters of ``reward.cosine_scaled`` and the (picklable) reward function itself."""
+
+    max_len: int = attrs.field(default=1000, validator=_positive_int)
+    min_value_wrong: float = attrs.field(default=-1.0, validator=finite)
+    max_value_wrong: float = attrs.field(default=-0.5, validator=finite)
+    min_value_correct: float = attrs.field(default=0.5, validator=finite)
+    max_value_correct: float = attrs.field(default=1.0, validator=finite)
+    column: str = attrs.field(default="solution", validator=attrs.validators.instance_of(str))
+
+    def __attrs_post_init__(self) -> None:
+        for kind in ("wrong", "correct"):
+            low, high = getattr(self, f"min_value_{kind}"), getattr(self, f"max_value_{kind}")
+            if low > high:
+                raise ValueError(f"min_value_{kind}={low!r} must be <= max_value_{kind}={high!r}")
+
+    def score(self, correct: bool, length: int) -> float:
+        c = math.cos(math.pi * min(length, self.max_len) / self.max_len)
+        if correct:
+            return self.min_value_correct + 0.5 * (self.max_value_correct - self.min_value_correct) * (1 + c)
+        return self.max_value_wrong + 0.5 * (self.min_value_wrong - self.max_value_wrong) * (1 + c)
+
+    def __call__(self, completions: list, completion_ids: list, **kwargs) -> list[float | None]:
+        solutions = column_of(kwargs, self.column, NAME)
+        scores: list[float | None] = []
+        for completion, ids, gold in zip(completions, completion_ids, solutions):
+            accuracy = accuracy_of(gold, completion_text(completion), NAME)
+            scores.append(None if accuracy is None else self.score(accuracy == 1.0, len(ids)))
+        return scores
+
+
+def make_cosine_scaled(params: CosineScaled) -> CosineScaled:
+    require_math_verify(NAME)
+    return params
+
+
+@hookimpl
+def register_rewards(register):
+    register("reward.cosine_scaled", make_cosine_scaled, params=CosineScaled)
