@@ -58,6 +58,8 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
         else:
             spec = dataclasses.field(default=default)
         fields.append((attribute.name, attribute.type or Any, spec))
+    # A chassis field every method shares: the plain (full-logits) log-prob path, for comparison.
+    fields.append(("chunked_logprobs", bool, dataclasses.field(default=True)))
     own = {f[0] for f in fields}
     inherited = config_fields(TrainingArguments)
     for field_name, value in {"bf16": None, "fp16": None, **defaults}.items():

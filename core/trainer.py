@@ -17,12 +17,13 @@ from collections import defaultdict
 from typing import Any, ClassVar
 
 import torch
-from transformers import PreTrainedModel, Trainer
+from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from . import __version__
 from .config import config_fields
 from .errors import PlaitError
+from .logprobs import token_logprobs
 from .manager import Plugins, default_plugins
 from .models import load_model, load_tokenizer, wrap_peft
 
@@ -35,6 +36,7 @@ class PlaitTrainer(Trainer):
 
     method: ClassVar[str]
     config_class: ClassVar[type]
+    auto_model_class: ClassVar[type] = AutoModelForCausalLM  # what a model path is loaded as
 
     def __init__(
         self,
@@ -60,7 +62,7 @@ class PlaitTrainer(Trainer):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 
         processing_class = load_tokenizer(model, processing_class)
-        model = load_model(model, getattr(args, "model_init_kwargs", None))
+        model = load_model(model, getattr(args, "model_init_kwargs", None), auto_class=self.auto_model_class)
         self.peft_config = peft_config
         model = self.before_peft(model, args, **kwargs)
         model = wrap_peft(model, peft_config, args.gradient_checkpointing)
@@ -101,6 +103,10 @@ class PlaitTrainer(Trainer):
 
     def after_init(self) -> None:
         """Runs once the accelerator exists (prepare auxiliary models here)."""
+
+    def token_logprobs(self, model, input_ids, attention_mask=None, **kwargs):
+        """:func:`plait.logprobs.token_logprobs` on the path the config picks (chunked by default)."""
+        return token_logprobs(model, input_ids, attention_mask, chunked=self.args.chunked_logprobs, **kwargs)
 
     # -- metrics ------------------------------------------------------------------------------
     @property

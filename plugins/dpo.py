@@ -23,7 +23,6 @@ from plait.batches import PreferenceLogps, masked_mean
 from plait.config import method_config
 from plait.data import prepare_dataset
 from plait.divergences import f_divergence
-from plait.logprobs import token_logprobs
 from plait.models import Reference
 from plait.objective import Objective, normalise_loss_specs
 from plait.params import in_range, positive
@@ -136,7 +135,7 @@ class DPOTrainer(PlaitTrainer):
     # -- one step -----------------------------------------------------------------------------
     def completion_logps(self, model, inputs) -> tuple[torch.Tensor, object]:
         """Summed log-probs over each row's completion (LD-DPO reweights the tail beyond the shorter one)."""
-        out = token_logprobs(model, inputs["input_ids"], inputs["attention_mask"], with_logit_mean=True,
+        out = self.token_logprobs(model, inputs["input_ids"], inputs["attention_mask"], with_logit_mean=True,
                              with_collision=self.args.params.use_weighting)
         return (out.logps * self._token_weights(inputs["completion_mask"])).sum(-1), out
 

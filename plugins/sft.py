@@ -16,7 +16,6 @@ from plait import Method, hookimpl
 from plait.batches import TokenLogps
 from plait.config import method_config
 from plait.data import pack_dataset, prepare_dataset
-from plait.logprobs import token_logprobs
 from plait.objective import Objective, normalise_loss_specs
 from plait.params import positive
 from plait.trainer import PlaitTrainer
@@ -94,7 +93,7 @@ class SFTTrainer(PlaitTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs["labels"]
         model_inputs = {k: inputs[k] for k in ("attention_mask", "position_ids") if k in inputs}
-        out = token_logprobs(model, inputs["input_ids"], with_argmax=True, **model_inputs)
+        out = self.token_logprobs(model, inputs["input_ids"], with_argmax=True, **model_inputs)
         mask = labels != -100
         mask[:, 0] = False  # nothing predicts a row's first token
         loss, parts = self.objective(TokenLogps(out.logps, mask), mask=mask, num_tokens=num_items_in_batch)
