@@ -41,7 +41,9 @@ class TransformersBackend(GenerationBackend):
         greedy = sampling.temperature == 0
         options = dict(
             max_new_tokens=sampling.max_completion_length, do_sample=not greedy,
-            num_return_sequences=sampling.num_generations, repetition_penalty=sampling.repetition_penalty,
+            # greedy decoding cannot return several sequences per row: rows are repeated instead
+            num_return_sequences=1 if greedy else sampling.num_generations,
+            repetition_penalty=sampling.repetition_penalty,
             pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids), use_cache=True,
         )
         if not greedy:
@@ -73,6 +75,8 @@ class TransformersBackend(GenerationBackend):
         return Generations(prompt_ids=repeated, completion_ids=completions, texts=texts, finished=finished)
 
     def _generate(self, model, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
+        if sampling.temperature == 0:
+            prompt_ids = [ids for ids in prompt_ids for _ in range(sampling.num_generations)]
         device = next(model.parameters()).device
         width = max(len(ids) for ids in prompt_ids)
         input_ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
