@@ -1,0 +1,654 @@
+"""Contract checks: one call proves a loss, reward or advantage estimator behaves like a plait part.
+
+    check_loss("dpo.simpo")                           # by registry name (installed plugins)
+    check_reward(component)                           # or a registry Component
+    check_advantage_estimator("advantage.group", plugins)
+
+Each check draws inputs with :mod:`plait.testing.strategies` (hypothesis, a fixed seed, a few
+dozen examples) and raises :class:`ContractViolation` naming the property that failed and the
+smallest input hypothesis found that breaks it, written as code you can paste into a test.
+
+What is checked follows from what the component declared when it registered:
+
+* losses: ``consumes=`` (the batch class), ``output=`` ("example" → ``[B]``, "token" →
+  ``[B, T]``, "scalar" → ``[]``), ``batch_coupled=True`` (skip batch-mean independence),
+  ``monotone="non_increasing_in_margin"`` (check it);
+* rewards: ``completion_format=`` ("text", the default; "messages"; or "any") and
+  ``columns=`` (dataset columns it reads; also found from required keyword parameters and from
+  a ``column``/``*_column`` parameter);
+* advantage estimators: ``token_level=True`` (advantages ``[N, T]`` from values and masks),
+  ``zero_mean_per_group=True`` (check it), ``group_relative=False`` (skip all-equal → 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import math
+import numbers
+import pickle
+from typing import Any, Callable, Sequence
+
+import attrs
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from plait.errors import PlaitError
+from plait.manager import Plugins, make_plugins
+from plait.objective import OUTPUTS
+from plait.registry import Component
+
+from .strategies import (
+    HALF, WIDE_REWARDS, BatchKind, batch_kind, batch_size_of, reward_inputs, rollouts, take,
+)
+
+__all__ = [
+    "CHECKS", "ContractViolation", "check_advantage_estimator", "check_component", "check_loss",
+    "check_params", "check_reward", "describe",
+]
+
+MONOTONE = ("non_increasing_in_margin",)
+# The keyword arguments every reward function receives besides dataset columns.
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
+DEFAULT_EXAMPLES = 30
+
+
+class ContractViolation(AssertionError):
+    """A component broke a contract: ``.component``, ``.property``, ``.detail``, ``.input``."""
+
+    def __init__(self, component: str, prop: str, detail: str, input: str | None = None):
+        self.component, self.property, self.detail, self.input = component, prop, detail, input
+        message = f"{component} violates '{prop}': {detail}"
+        if input is not None:
+            message += f"\n  on input: {input}"
+        super().__init__(message)
+
+
+def describe(value: Any, indent: str | None = None) -> str:
+    """``value`` as Python source: tensors with exact values and dtype, attrs batches by field.
+
+    Fields left at their default are omitted. With ``indent`` an attrs batch is laid out one
+    field per line.
+    """
+    if torch.is_tensor(value):
+        return f"torch.tensor({value.tolist()!r}, dtype={value.dtype})"
+    if attrs.has(type(value)):
+        fields = [
+            f"{f.alias}={describe(getattr(value, f.name))}" for f in attrs.fields(type(value))
+            if f.default is attrs.NOTHING or isinstance(f.default, attrs.Factory)
+            or getattr(value, f.name) is not f.default
+        ]
+        if indent is None:
+            return f"{type(value).__name__}({', '.join(fields)})"
+        inner = indent + "    "
+        return f"{type(value).__name__}(\n" + "".join(f"{inner}{f},\n" for f in fields) + f"{indent})"
+    if isinstance(value, dict):
+        if indent is None:
+            return "{" + ", ".join(f"{k!r}: {describe(v)}" for k, v in value.items()) + "}"
+        inner = indent + "    "
+        return "{\n" + "".join(f"{inner}{k!r}: {describe(v)},\n" for k, v in value.items()) + indent + "}"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return repr(value)
+
+
+def _shown(value: Any) -> str:
+    return describe(value, "  ")
+
+
+def _settings(max_examples: int) -> settings:
+    # Fixed seed and no example database: the same inputs on every machine, so CI cannot flake
+    # and a failure reproduces from its message alone.
+    return settings(
+        max_examples=max_examples, deadline=None, database=None, derandomize=True,
+        report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
+        phases=(Phase.explicit, Phase.generate, Phase.shrink),
+    )
+
+
+def _for_all(strategy, prop: Callable[[Any], None], max_examples: int) -> None:
+    @_settings(max_examples)
+    @given(strategy)
+    def property_holds(value):
+        prop(value)
+
+    # The inputs are a handful of numbers: one thread. Intra-op threads only add barriers, which
+    # cost milliseconds per op on a busy machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        property_holds()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _component(component_or_name: Component | str, registry: str, plugins: Plugins | None) -> Component:
+    if isinstance(component_or_name, Component):
+        return component_or_name
+    plugins = make_plugins() if plugins is None else plugins
+    return plugins.registries[registry].get(component_or_name)
+
+
+def _who(component: Component) -> str:
+    where = f" ({component.distribution} {component.version})" if component.version not in ("-", "?") else ""
+    return f"{component.kind} {component.name!r}{where}"
+
+
+# Values tried, in order, for parameters that have no default (``soft_overlong``'s max_len).
+FILL_CANDIDATES = (10, 100, 1, 1000, 0.5, 0.1, 0, "x")
+
+
+def _base_values(component: Component, params: dict | None) -> dict:
+    """``params`` plus a value for each required parameter left out: the first combination accepted."""
+    values = dict(params or {})
+    if component.params is None:
+        return values
+    missing = [f.alias for f in attrs.fields(component.params)
+               if f.init and f.default is attrs.NOTHING and f.alias not in values]
+    if not missing:
+        return values
+    for combination in itertools.islice(itertools.product(FILL_CANDIDATES, repeat=len(missing)), 1000):
+        trial = {**values, **dict(zip(missing, combination))}
+        try:
+            component.make_params(**trial)
+        except PlaitError:
+            continue
+        return trial
+    raise ContractViolation(_who(component), "parameters validated", f"parameters {missing} have no default and "
+                            "none of the values the kit tries is accepted; pass params={...} to the check")
+
+
+def _make_params(component: Component, values: dict) -> Any:
+    try:
+        return component.make_params(**values)
+    except PlaitError as err:
+        raise ContractViolation(_who(component), "parameters validated",
+                                f"cannot build its parameters {values}: {err}") from err
+
+
+def _replace(obj: Any, **values: Any) -> Any:
+    aliases = {f.name: f.alias for f in attrs.fields(type(obj))}
+    return attrs.evolve(obj, **{aliases[name]: value for name, value in values.items()})
+
+
+def _close(a: Tensor, b: Tensor, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
+    return a.shape == b.shape and bool(torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol))
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters
+# ---------------------------------------------------------------------------------------------
+
+NUMERIC_PROBES = (math.nan, math.inf, -math.inf, -1e9, -1.0, -1e-6, 0.0, 1e-6, 0.5, 1.0, 2.0, 1e9)
+STRING_PROBES = ("__not_a_valid_value__",)
+
+
+def _is_numeric(field: attrs.Attribute, default: Any) -> bool:
+    if isinstance(default, bool):
+        return False
+    if isinstance(default, (int, float)):
+        return True
+    words = str(field.type).replace("|", " ").replace("[", " ").replace("]", " ").replace(",", " ").split()
+    return default is None and bool({"float", "int"} & set(words))
+
+
+def _validator_verdict(field: attrs.Attribute, value: Any, instance: Any) -> bool | None:
+    """Whether ``field``'s converter and validator accept ``value``; None when that cannot be told."""
+    converter = field.converter
+    if converter is not None:
+        if isinstance(converter, attrs.Converter):
+            if converter.takes_self or converter.takes_field:
+                return None
+            converter = converter.converter
+        try:
+            value = converter(value)
+        except Exception:  # noqa: BLE001 - a converter that raises rejects the value
+            return False
+    if field.validator is None:
+        return True
+    try:
+        field.validator(instance, field, value)
+    except Exception:  # noqa: BLE001 - any validator failure means "rejected"
+        return False
+    return True
+
+
+def check_params(component: Component, params: dict | None = None) -> list[str]:
+    """Bad parameter values raise at construction, with a PlaitError naming the parameter.
+
+    The bad values come from each field's own validator: every probe value (NaN, ±inf, negative,
+    zero, huge; a bogus string) that the validator rejects must make ``make_params`` raise.
+    Numeric fields must have a validator, and it must reject NaN. Each probe replaces one value
+    of ``params`` (default values, plus a value found for each parameter without a default).
+    """
+    if component.params is None:
+        return []
+    who, prop = _who(component), "parameters validated"
+    base = _base_values(component, params)
+    default = _make_params(component, base)
+    for field in attrs.fields(component.params):
+        if not field.init:
+            continue
+        value = getattr(default, field.name)
+        numeric = _is_numeric(field, value)
+        if numeric and field.validator is None:
+            raise ContractViolation(who, prop, f"parameter {field.name!r} has no validator, so {field.name}=nan "
+                                    "is accepted; add one from plait.params (positive, non_negative, in_range, finite)")
+        if numeric and _validator_verdict(field, math.nan, default):
+            raise ContractViolation(who, prop, f"{field.name}=nan passes its validator; reject non-finite values")
+        probes = NUMERIC_PROBES if numeric else STRING_PROBES if isinstance(value, str) else ()
+        for probe in probes:
+            if _validator_verdict(field, probe, default) is not False:
+                continue
+            try:
+                component.make_params(**{**base, field.alias: probe})
+            except PlaitError as err:
+                if field.name not in str(err):
+                    raise ContractViolation(who, prop, f"{field.name}={probe!r} is rejected with {str(err)!r}, "
+                                            "which does not name the parameter") from err
+                continue
+            except Exception as err:  # noqa: BLE001
+                raise ContractViolation(who, prop, f"{field.name}={probe!r} raises {type(err).__name__}: {err} "
+                                        "instead of a ValueError naming the parameter") from err
+            raise ContractViolation(who, prop, f"{field.name}={probe!r} is accepted at construction although its "
+                                    "validator rejects it")
+    return [prop]
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses
+# ---------------------------------------------------------------------------------------------
+
+
+def _loss_output(component: Component) -> str:
+    return component.options.get("output") or ("scalar" if component.options.get("reduces") else "example")
+
+
+class _LossUnderTest:
+    def __init__(self, component: Component, params: dict | None):
+        self.component, self.who = component, _who(component)
+        consumes = component.options.get("consumes")
+        if consumes is None:
+            raise ContractViolation(self.who, "declared input", "registered without consumes=<batch class from "
+                                    "plait.batches>, so no method can tell what to hand it")
+        self.kind: BatchKind = batch_kind(consumes)
+        self.output = _loss_output(component)
+        if self.output not in OUTPUTS:
+            raise ContractViolation(self.who, "declared input", f"output={self.output!r}; use one of {OUTPUTS}")
+        if self.output == "token" and self.kind.token_shape is None:
+            raise ContractViolation(self.who, "declared input", f"output='token' but {consumes.__name__} has no "
+                                    "per-token field")
+        self.params = _make_params(component, _base_values(component, params))
+
+    def __call__(self, batch: Any, prop: str) -> Tensor:
+        try:
+            out = self.component.obj(batch, self.params)
+        except Exception as err:  # noqa: BLE001 - any exception on a valid input is a violation
+            raise ContractViolation(self.who, prop, f"raised {type(err).__name__}: {err}",
+                                    _shown(batch)) from err
+        if not torch.is_tensor(out):
+            raise ContractViolation(self.who, "output shape", f"returned {type(out).__name__}, not a Tensor",
+                                    _shown(batch))
+        return out
+
+    def expected_shape(self, batch: Any) -> tuple[int, ...]:
+        if self.output == "example":
+            return (batch_size_of(batch),)
+        if self.output == "token":
+            return tuple(getattr(batch, self.kind.token_shape).shape)
+        return ()
+
+    def checked(self, batch: Any, precision: str = "") -> Tensor:
+        """Call the loss and check the output's shape and finiteness."""
+        out = self(batch, f"finite output{precision}")
+        if tuple(out.shape) != self.expected_shape(batch):
+            raise ContractViolation(self.who, "output shape", f"output={self.output!r} means shape "
+                                    f"{list(self.expected_shape(batch))}, got {list(out.shape)}", _shown(batch))
+        if not torch.isfinite(out).all():
+            bad = (~torch.isfinite(out)).nonzero().squeeze(-1).tolist()
+            raise ContractViolation(self.who, f"finite output{precision}",
+                                    f"returned {out.tolist()} (not finite at {bad})", _shown(batch))
+        return out
+
+    # -- the properties ----------------------------------------------------------------------
+    def finite_with_gradients(self, batch: Any) -> None:
+        names = tuple(n for n in self.kind.policy + self.kind.reference if getattr(batch, n) is not None)
+        leaves = {n: getattr(batch, n).detach().clone().requires_grad_(True) for n in names}
+        batch = _replace(batch, **leaves)
+        out = self.checked(batch)
+        if not out.requires_grad:
+            raise ContractViolation(self.who, "gradient reaches the policy", "the output does not require grad: it "
+                                    f"is detached from {', '.join(self.kind.policy)}", _shown(batch))
+        grads = dict(zip(names, torch.autograd.grad(out.float().sum(), list(leaves.values()), allow_unused=True)))
+        policy = {n: g for n, g in grads.items() if n in self.kind.policy and g is not None}
+        if not policy:
+            raise ContractViolation(self.who, "gradient reaches the policy",
+                                    f"no gradient reaches {', '.join(self.kind.policy)}", _shown(batch))
+        for name, grad in policy.items():
+            if not torch.isfinite(grad).all():
+                raise ContractViolation(self.who, "finite gradient", f"d loss / d {name} = {grad.tolist()}",
+                                        _shown(batch))
+        for name in self.kind.reference:
+            grad = grads.get(name)
+            if grad is not None and bool((grad != 0).any()):
+                raise ContractViolation(self.who, "no gradient into the reference",
+                                        f"d loss / d {name} = {grad.tolist()}; reference log-probs are constants, "
+                                        "detach them", _shown(batch))
+
+    def independent(self, drawn: tuple[Any, list[int]]) -> None:
+        batch, perm = drawn
+        with torch.no_grad():
+            full = self(batch, "batch-mean independence")
+            if self.output != "scalar":
+                for i in range(batch_size_of(batch)):
+                    alone = self(take(batch, [i]), "batch-mean independence")[0]
+                    if not _close(alone, full[i]):
+                        raise ContractViolation(
+                            self.who, "batch-mean independence",
+                            f"example {i} alone gives {alone.tolist()} but {full[i].tolist()} inside the batch; a "
+                            "loss whose examples interact must register batch_coupled=True", _shown(batch))
+            permuted = self(take(batch, perm), "permutation invariance")
+        expected = full if self.output == "scalar" else full[torch.tensor(perm)]
+        if not _close(permuted, expected):
+            raise ContractViolation(self.who, "permutation invariance",
+                                    f"reordering the examples as {perm} gives {permuted.tolist()}, expected "
+                                    f"{expected.tolist()}", _shown(batch))
+
+    def monotone(self, drawn: tuple[Any, float]) -> None:
+        batch, delta = drawn
+        prop = f"monotone: {self.component.options['monotone']}"
+        with torch.no_grad():
+            before = self(batch, prop)
+            after = self(self.kind.raise_margin(batch, delta), prop)
+        worse = after.double() > before.double() + 1e-5 + 1e-5 * before.double().abs()
+        if bool(worse.any()):
+            raise ContractViolation(self.who, prop, f"raising every margin by {delta} changes the loss from "
+                                    f"{before.tolist()} to {after.tolist()}", _shown(batch))
+
+    def masked_ignored(self, batch: Any) -> None:
+        mask = getattr(batch, self.kind.mask).bool()
+        changed = _replace(batch, **{
+            n: torch.where(mask, v, v - 1.0)
+            for n in self.kind.policy if (v := getattr(batch, n)).shape == mask.shape
+        })
+        with torch.no_grad():
+            out, out_changed = self(batch, "masked tokens ignored"), self(changed, "masked tokens ignored")
+        if self.output == "token":
+            out, out_changed = out[mask], out_changed[mask]
+        if not _close(out, out_changed, rtol=1e-6, atol=1e-6):
+            raise ContractViolation(self.who, "masked tokens ignored",
+                                    f"changing log-probs where {self.kind.mask} is False changes the loss from "
+                                    f"{out.tolist()} to {out_changed.tolist()}", _shown(batch))
+
+
+def check_loss(
+    component_or_name: Component | str,
+    plugins: Plugins | None = None,
+    *,
+    params: dict | None = None,
+    max_examples: int = DEFAULT_EXAMPLES,
+) -> list[str]:
+    """Check a loss plugin's contract; returns the names of the properties it satisfied.
+
+    Properties: parameters validated; output shape; finite output over a wide range (summed
+    log-probs of up to 4096 tokens, margins ~10⁵) and for float16 and bfloat16 inputs; a
+    gradient reaches the policy log-probs and is finite; zero gradient into the reference;
+    batch-mean independence and permutation invariance (unless ``batch_coupled=True``; a
+    ``scalar`` loss gets only the latter); the declared monotonicity; masked tokens ignored
+    (batches with a token mask). ``params`` overrides default parameter values.
+    """
+    loss = _LossUnderTest(_component(component_or_name, "losses", plugins), params)
+    kind, options = loss.kind, loss.component.options
+    checked = check_params(loss.component, params)
+
+    _for_all(kind.strategy(), loss.finite_with_gradients, max_examples)
+    checked += ["output shape", "finite output", "gradient reaches the policy", "finite gradient"]
+    if kind.reference:
+        checked.append("no gradient into the reference")
+    for dtype in HALF:
+        precision = f" ({str(dtype).removeprefix('torch.')} inputs)"
+        _for_all(kind.strategy(dtype=dtype), lambda b, p=precision: loss.checked(b, p), max_examples)
+        checked.append(f"finite output{precision}")
+
+    if not options.get("batch_coupled", False):
+        with_perm = kind.strategy(min_size=2).flatmap(
+            lambda b: st.tuples(st.just(b), st.permutations(range(batch_size_of(b)))))
+        _for_all(with_perm, loss.independent, max_examples)
+        checked += ([] if loss.output == "scalar" else ["batch-mean independence"]) + ["permutation invariance"]
+
+    declared = options.get("monotone")
+    if declared is not None:
+        if declared not in MONOTONE:
+            raise ContractViolation(loss.who, "declared input", f"monotone={declared!r}; the kit knows {MONOTONE}")
+        if kind.raise_margin is None:
+            raise ContractViolation(loss.who, "declared input", f"monotone={declared!r} but the kit cannot move the "
+                                    f"margin of a {kind.cls.__name__}; register a BatchKind with raise_margin")
+        _for_all(st.tuples(kind.strategy(), st.floats(1e-3, 1e3)), loss.monotone, max_examples)
+        checked.append(f"monotone: {declared}")
+
+    if kind.mask is not None:
+        _for_all(kind.strategy(), loss.masked_ignored, max_examples)
+        checked.append("masked tokens ignored")
+    return checked
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewards
+# ---------------------------------------------------------------------------------------------
+
+_TRAINER_STATE: list[Any] = []
+
+
+def _trainer_state() -> Any:
+    if not _TRAINER_STATE:
+        from transformers import TrainerState  # heavy import, paid once and only by reward checks
+
+        _TRAINER_STATE.append(TrainerState(global_step=3, max_steps=10))
+    return _TRAINER_STATE[0]
+
+
+def _call_reward(fn: Callable, kwargs: dict[str, Any]) -> Any:
+    result = fn(**kwargs)
+    if inspect.isawaitable(result):
+
+        async def wait():
+            return await result
+
+        result = asyncio.run(wait())
+    return result
+
+
+def _same_scores(a: Sequence, b: Sequence) -> bool:
+    same = lambda x, y: x == y or (x is not None and y is not None and math.isnan(x) and math.isnan(y))  # noqa: E731
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+
+
+def check_reward(
+    component_or_name: Component | str,
+    plugins: Plugins | None = None,
+    *,
+    params: dict | None = None,
+    max_examples: int = 20,
+) -> list[str]:
+    """Check a reward plugin's contract; returns the names of the properties it satisfied.
+
+    Properties: parameters validated; accepts ``**kwargs`` (plait passes every dataset column);
+    one finite number or None per completion; picklable (the unpickled copy scores alike), so
+    rewards can run in worker processes. A reward registered with ``params=`` is a factory and
+    is checked as ``obj(params)``. Dataset columns it reads get random strings: those declared
+    with ``columns=``, required keyword parameters beyond ``prompts``, ``completions``,
+    ``completion_ids`` and ``trainer_state``, and the value of a ``column`` parameter.
+    """
+    component = _component(component_or_name, "rewards", plugins)
+    who = _who(component)
+    checked = check_params(component, params)
+    if component.params is None:
+        fn, built = component.obj, None
+    else:
+        built = _make_params(component, _base_values(component, params))
+        try:
+            fn = component.obj(built)
+        except Exception as err:  # noqa: BLE001
+            raise ContractViolation(who, "builds from its parameters", f"{describe(component.obj)}({built!r}) raised "
+                                    f"{type(err).__name__}: {err}") from err
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: rely on the call below
+        signature = None
+    columns = set(component.options.get("columns", ()))
+    if built is not None:  # a parameter naming the dataset column it reads (``column="solution"``)
+        columns |= {getattr(built, f.name) for f in attrs.fields(type(built))
+                    if (f.name == "column" or f.name.endswith("_column")) and isinstance(getattr(built, f.name), str)}
+    if signature is not None:
+        kinds = {p.kind for p in signature.parameters.values()}
+        if inspect.Parameter.VAR_KEYWORD not in kinds:
+            raise ContractViolation(who, "accepts **kwargs", f"its signature is {signature}; plait calls it with "
+                                    f"{', '.join(REWARD_ARGUMENTS)} and every dataset column, so end it with **kwargs")
+        columns |= {
+            name for name, p in signature.parameters.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
+            and name not in REWARD_ARGUMENTS
+        }
+    checked.append("accepts **kwargs")
+    try:
+        clone = pickle.loads(pickle.dumps(fn))
+    except Exception as err:  # noqa: BLE001
+        raise ContractViolation(who, "picklable", f"pickle fails with {type(err).__name__}: {err}; make it a "
+                                "module-level function, a functools.partial of one, or an instance of a "
+                                "module-level class (not a closure or lambda)") from err
+
+    def scores(kwargs: dict[str, Any]) -> None:
+        kwargs = {**kwargs, "trainer_state": _trainer_state(), "plait_contract_extra_column": kwargs["prompts"]}
+        shown = describe({k: v for k, v in kwargs.items() if k != "trainer_state"}, "  ")
+        try:
+            result = _call_reward(fn, kwargs)
+        except Exception as err:  # noqa: BLE001
+            raise ContractViolation(who, "one value or None per completion", f"raised {type(err).__name__}: {err}",
+                                    shown) from err
+        n = len(kwargs["completions"])
+        if isinstance(result, (str, bytes)) or not isinstance(result, Sequence) or len(result) != n:
+            raise ContractViolation(who, "one value or None per completion",
+                                    f"returned {result!r} for {n} completions", shown)
+        for value in result:
+            if value is not None and (not isinstance(value, numbers.Real) or not math.isfinite(value)):
+                raise ContractViolation(who, "one value or None per completion",
+                                        f"returned {result!r}: {value!r} is neither a finite number nor None", shown)
+        again = _call_reward(clone, kwargs)
+        if not _same_scores(list(result), list(again)):
+            raise ContractViolation(who, "picklable", f"the unpickled copy returns {again!r}, the original "
+                                    f"{result!r}", shown)
+
+    completion_format = component.options.get("completion_format", "text")
+    _for_all(reward_inputs(completion_format=completion_format, columns=sorted(columns)), scores, max_examples)
+    return checked + ["one value or None per completion", "picklable"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Advantage estimators
+# ---------------------------------------------------------------------------------------------
+
+
+def _regroup(rollout, order: list[int]):
+    index = torch.tensor(order)
+    per_row = {n: getattr(rollout, n)[index] for n in ("token_rewards", "values", "mask")
+               if getattr(rollout, n) is not None}
+    return _replace(rollout, rewards=rollout.rewards[index], **per_row)
+
+
+def check_advantage_estimator(
+    component_or_name: Component | str,
+    plugins: Plugins | None = None,
+    *,
+    params: dict | None = None,
+    max_examples: int = DEFAULT_EXAMPLES,
+) -> list[str]:
+    """Check an advantage estimator's contract; returns the names of the properties it satisfied.
+
+    Properties: parameters validated; shape preserved (``[N]``, or ``[N, T]`` with
+    ``token_level=True``) and finite, whatever the rewards (None included); permutation
+    equivariance (reordering groups, or rows within a group, reorders the advantages alike —
+    catches rows grouped by the wrong stride); an all-equal group gets zeros (group-relative
+    estimators, the default for sequence level); zero mean per group (``zero_mean_per_group=True``).
+    """
+    component = _component(component_or_name, "advantage_estimators", plugins)
+    who, options = _who(component), component.options
+    token_level = bool(options.get("token_level", False))
+    p = _make_params(component, _base_values(component, params))
+    checked = check_params(component, params)
+
+    def estimate(rollout, prop: str) -> Tensor:
+        try:
+            out = component.obj(rollout, p)
+        except Exception as err:  # noqa: BLE001
+            raise ContractViolation(who, prop, f"raised {type(err).__name__}: {err}", _shown(rollout)) from err
+        expected = tuple(rollout.mask.shape) if token_level else (rollout.rewards.shape[0],)
+        if not torch.is_tensor(out) or tuple(out.shape) != expected:
+            got = list(out.shape) if torch.is_tensor(out) else type(out).__name__
+            raise ContractViolation(who, "shape preserved", f"expected advantages of shape {list(expected)}, got {got}",
+                                    _shown(rollout))
+        if not torch.isfinite(out).all():
+            raise ContractViolation(who, "finite advantages", f"returned {out.tolist()}", _shown(rollout))
+        return out.detach()
+
+    wide = rollouts(rewards=WIDE_REWARDS, weights=st.floats(0.0, 2.0), token_level=token_level)
+    _for_all(wide, lambda r: estimate(r, "finite advantages"), max_examples)
+    checked += ["shape preserved", "finite advantages"]
+
+    @st.composite
+    def with_order(draw):
+        rollout = draw(rollouts(token_level=token_level))
+        g = rollout.group_size
+        groups = draw(st.permutations(range(rollout.num_groups)))
+        return rollout, [i * g + j for i in groups for j in draw(st.permutations(range(g)))]
+
+    def equivariant(drawn) -> None:
+        rollout, order = drawn
+        out = estimate(rollout, "permutation equivariance")
+        reordered = estimate(_regroup(rollout, order), "permutation equivariance")
+        if not _close(reordered, out[torch.tensor(order)]):
+            raise ContractViolation(who, "permutation equivariance", f"reordering rows as {order} gives "
+                                    f"{reordered.tolist()}, expected {out[torch.tensor(order)].tolist()}",
+                                    _shown(rollout))
+
+    _for_all(with_order(), equivariant, max_examples)
+    checked.append("permutation equivariance")
+
+    if options.get("group_relative", not token_level):
+        def zeros(rollout) -> None:
+            out = estimate(rollout, "all-equal group → zeros")
+            if not bool((out.abs() <= 1e-6).all()):
+                raise ContractViolation(who, "all-equal group → zeros", f"every group's rewards are equal, yet the "
+                                        f"advantages are {out.tolist()}", _shown(rollout))
+
+        _for_all(rollouts(all_equal=True, token_level=token_level), zeros, max_examples)
+        checked.append("all-equal group → zeros")
+
+    if options.get("zero_mean_per_group", False):
+        def zero_mean(rollout) -> None:
+            out = estimate(rollout, "zero mean per group").double()
+            per_group = out.reshape(rollout.num_groups, -1)
+            scale = per_group.abs().amax(dim=1).clamp(min=1.0)
+            if not bool((per_group.mean(dim=1).abs() <= 1e-5 * scale).all()):
+                raise ContractViolation(who, "zero mean per group", f"group means are {per_group.mean(dim=1).tolist()} "
+                                        f"for advantages {out.tolist()}", _shown(rollout))
+
+        _for_all(rollouts(token_level=token_level), zero_mean, max_examples)
+        checked.append("zero mean per group")
+    return checked
+
+
+# ---------------------------------------------------------------------------------------------
+
+CHECKS: dict[str, Callable[..., list[str]]] = {
+    "loss": check_loss, "reward": check_reward, "advantage estimator": check_advantage_estimator,
+}
+
+
+def check_component(component: Component, plugins: Plugins | None = None, **kwargs: Any) -> list[str]:
+    """Run the contract check for ``component``'s kind (see :data:`CHECKS`)."""
+    if component.kind not in CHECKS:
+        raise ValueError(f"no contract check for {component.kind!r} components; the kit checks {sorted(CHECKS)}")
+    return CHECKS[component.kind](component, plugins, **kwargs)

@@ -1,0 +1,1 @@
+"""An example third-party plait plugin: one module per component, each with its own entry point."""
