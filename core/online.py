@@ -1,0 +1,617 @@
+"""The chassis of online methods (GRPO, RLOO): sample, score, estimate advantages, re-use a buffer.
+
+One *generation batch* is ``per_device_train_batch_size × processes × steps_per_generation``
+completions (or ``generation_batch_size``): ``num_generations`` per prompt, groups kept
+together. Per generation batch the trainer
+
+1. samples completions through the configured generation backend (``generation.<name>``),
+2. computes the sampling policy's log-probs when the buffer outlives one optimizer step
+   (``num_iterations`` > 1 or more micro-batches than one accumulation window), and the
+   reference's when the method needs them (beta > 0),
+3. scores every completion with the reward functions (:mod:`plait.scoring`), gathers the scores
+   of all processes, and turns them into advantages with a registered estimator,
+4. serves the buffer, shuffled and cut into ``steps_per_generation`` micro-batches,
+   ``num_iterations`` times over; each micro-batch becomes a :class:`plait.batches.PolicyTokens`
+   for the method's composed losses.
+
+The data loader hands out the same prompts for every micro-step of a generation batch (so the
+transformers Trainer counts steps and epochs correctly); only the first of them is generated from.
+A method subclasses :class:`OnlineTrainer` and says how advantages come from rewards and which
+ratio its clip metrics use. Nothing here names a concrete loss, reward, estimator or backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, ClassVar
+
+import attrs
+import torch
+from torch import Tensor
+from torch.utils.data import Sampler
+
+from .batches import PolicyTokens, Rollout, masked_mean
+from .chat import is_conversational
+from .errors import PlaitError
+from .generation import Generations, SamplingParams
+from .logprobs import token_logprobs
+from .models import Reference
+from .params import in_range, non_negative, positive
+from .scoring import compute_rewards, resolve_reward_funcs, reward_metrics, reward_weights
+from .trainer import PlaitTrainer
+
+logger = logging.getLogger("plait")
+
+IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
+ERROR_POLICIES = ("fail", "none")
+
+
+def _optional(validator):
+    return attrs.validators.optional(validator)
+
+
+def _int_at_least(low: int):
+    def check(instance, attribute, value) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{attribute.name}={value!r} must be an integer >= {low}")
+
+    return check
+
+
+def _one_of(options):
+    def check(instance, attribute, value) -> None:
+        if value not in options:
+            raise ValueError(f"{attribute.name}={value!r} must be one of {', '.join(map(str, options))}")
+
+    return check
+
+
+@attrs.define
+class OnlineParams:
+    """Knobs every online method shares; names and defaults follow TRL's GRPOConfig."""
+
+    reward_funcs: Any = None
+    reward_weights: list | None = None
+    reward_error_policy: str = attrs.field(default="fail", validator=_one_of(ERROR_POLICIES))
+    # generation
+    num_generations: int = attrs.field(default=8, validator=_int_at_least(2))
+    generation_batch_size: int | None = attrs.field(default=None, validator=_optional(_int_at_least(1)))
+    steps_per_generation: int | None = attrs.field(default=None, validator=_optional(_int_at_least(1)))
+    max_prompt_length: int | None = attrs.field(default=None, validator=_optional(_int_at_least(1)))
+    max_completion_length: int = attrs.field(default=256, validator=_int_at_least(1))
+    temperature: float = attrs.field(default=1.0, validator=positive)
+    top_p: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
+    top_k: int | None = attrs.field(default=None, validator=_optional(_int_at_least(0)))
+    min_p: float | None = attrs.field(default=None, validator=_optional(in_range(0.0, 1.0)))
+    repetition_penalty: float = attrs.field(default=1.0, validator=positive)
+    generation_kwargs: dict | None = None
+    generation_backend: str = "transformers"
+    generation_max_batch_size: int | None = attrs.field(default=None, validator=_optional(_int_at_least(1)))
+    # sampler/trainer mismatch (backends that report log-probs, e.g. a bf16 vLLM engine)
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = attrs.field(default="sequence_mask", validator=_one_of(IS_MODES))
+    vllm_importance_sampling_cap: float = attrs.field(default=3.0, validator=positive)
+    # optimisation
+    num_iterations: int = attrs.field(default=1, validator=_int_at_least(1))
+    epsilon: float = attrs.field(default=0.2, validator=positive)
+    epsilon_high: float | None = attrs.field(default=None, validator=_optional(positive))
+    delta: float | None = attrs.field(default=None, validator=_optional(positive))
+    beta: float = attrs.field(default=0.0, validator=non_negative)
+    mask_truncated_completions: bool = False
+    shuffle_dataset: bool = True
+    # logging
+    log_completions: bool = False
+    num_completions_to_print: int | None = attrs.field(default=None, validator=_optional(_int_at_least(1)))
+    # models and data
+    model_init_kwargs: dict | None = None
+    dataset_num_proc: int | None = None
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            max_completion_length=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            generation_kwargs=dict(self.generation_kwargs or {}),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes and the sampler
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class GenerationSizes:
+    """How one generation batch divides: completions per process, micro-batches, prompts."""
+
+    per_device: int
+    processes: int
+    steps_per_generation: int
+    num_generations: int
+
+    @property
+    def local(self) -> int:
+        return self.per_device * self.steps_per_generation
+
+    @property
+    def total(self) -> int:
+        return self.local * self.processes
+
+    @property
+    def prompts(self) -> int:
+        return self.total // self.num_generations
+
+
+def generation_sizes(args) -> GenerationSizes:
+    """Resolve and check the generation batch of a config, before any model loads."""
+    p = args.params
+    per_device, processes, accumulation = args.per_device_train_batch_size, args.world_size, args.gradient_accumulation_steps
+    step = per_device * processes
+    if p.generation_batch_size is not None and p.steps_per_generation is not None:
+        raise PlaitError(f"generation_batch_size={p.generation_batch_size} and steps_per_generation="
+                         f"{p.steps_per_generation} both set the generation batch; give only one")
+    if p.generation_batch_size is not None:
+        if p.generation_batch_size % step:
+            raise PlaitError(
+                f"generation_batch_size={p.generation_batch_size} is not a multiple of per_device_train_batch_size "
+                f"{per_device} × {processes} processes = {step}; use a multiple of {step}")
+        spg = p.generation_batch_size // step
+    else:
+        spg = p.steps_per_generation or accumulation
+    sizes = GenerationSizes(per_device, processes, spg, p.num_generations)
+    if sizes.total % p.num_generations:
+        g = p.num_generations
+        divisors = [d for d in range(2, sizes.total + 1) if sizes.total % d == 0][:4]
+        multiple = math.lcm(step, g)
+        raise PlaitError(
+            f"the generation batch of {sizes.total} completions (per_device_train_batch_size {per_device} × "
+            f"{processes} processes × steps_per_generation {spg}) is not divisible by num_generations={g}; "
+            f"set num_generations to a divisor of {sizes.total} (e.g. {', '.join(map(str, divisors)) or 'none ≥ 2'}) "
+            f"or set generation_batch_size to a multiple of {multiple} (e.g. {multiple})")
+    return sizes
+
+
+class GroupSampler(Sampler[int]):
+    """Dataset indices for generation batches: each prompt ``group_size`` times in a row.
+
+    Prompts are drawn (shuffled per pass when ``shuffle``) ``prompts_per_batch`` at a time; each
+    batch's index list is emitted ``repeat`` times, once per micro-step that re-uses it. Only
+    whole generation batches are emitted.
+    """
+
+    def __init__(self, size: int, group_size: int, prompts_per_batch: int, repeat: int = 1,
+                 shuffle: bool = True, seed: int = 0):
+        if size < prompts_per_batch:
+            raise PlaitError(f"the dataset has {size} prompts but one generation batch needs {prompts_per_batch}; "
+                             "add prompts or make the generation batch smaller")
+        self.size, self.group_size, self.prompts_per_batch = size, group_size, prompts_per_batch
+        self.repeat, self.shuffle, self.seed, self.epoch = repeat, shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = list(range(self.size))
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.size, generator=generator).tolist()
+            self.epoch += 1  # a fresh order on the next pass even if nobody calls set_epoch
+        for start in range(0, self.size - self.prompts_per_batch + 1, self.prompts_per_batch):
+            rows = [i for i in order[start:start + self.prompts_per_batch] for _ in range(self.group_size)]
+            for _ in range(self.repeat):
+                yield from rows
+
+    def __len__(self) -> int:
+        return (self.size // self.prompts_per_batch) * self.prompts_per_batch * self.group_size * self.repeat
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------
+
+
+class OnlineTrainer(PlaitTrainer):
+    """Base of GRPO/RLOO trainers. Subclasses set ``method``, ``config_class``, ``loss_family``
+    and implement :meth:`build_objective` and :meth:`advantages`."""
+
+    loss_family: ClassVar[str]
+    needs_reference_logps: ClassVar[bool] = True  # when beta > 0
+
+    def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 peft_config=None, plugins=None):
+        self._reward_specs = reward_funcs
+        self._reward_processing_classes = reward_processing_classes
+        super().__init__(model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, peft_config=peft_config, callbacks=callbacks,
+                         optimizers=optimizers, plugins=plugins)
+
+    # -- construction -------------------------------------------------------------------------
+    def validate(self, args) -> None:
+        p = args.params
+        self.sizes = generation_sizes(args)
+        if args.eval_strategy != "no":
+            eval_rows = args.per_device_eval_batch_size * args.world_size
+            if eval_rows % p.num_generations:
+                raise PlaitError(
+                    f"per_device_eval_batch_size {args.per_device_eval_batch_size} × {args.world_size} processes = "
+                    f"{eval_rows} is not divisible by num_generations={p.num_generations}; make it a multiple")
+        specs = self._reward_specs
+        if specs is not None and p.reward_funcs is not None:
+            raise PlaitError("reward functions are given both as the reward_funcs argument and in the config's "
+                             "reward_funcs; give them once")
+        specs = specs if specs is not None else p.reward_funcs
+        if specs is None:
+            raise PlaitError(f"{type(self).__name__} needs reward_funcs: a registered name (e.g. 'think_format'), "
+                             "a callable, or a reward-model path")
+        entries = list(specs) if isinstance(specs, (list, tuple)) else [specs]
+        if p.reward_weights is not None and len(p.reward_weights) != len(entries):
+            raise PlaitError(f"reward_weights has {len(p.reward_weights)} values for {len(entries)} reward functions; "
+                             "give one weight per reward function")
+        self.objective = self.build_objective(p)
+        self.plugins.generation_backends.get(p.generation_backend, family="generation")  # unknown names fail now
+        self.reward_funcs = self._resolve_rewards(entries)
+        self.reward_weights = reward_weights(self.reward_funcs, p.reward_weights)
+
+    def _resolve_rewards(self, entries: list) -> list:
+        classes = self._reward_processing_classes
+        if classes is None:
+            return resolve_reward_funcs(entries, self.plugins)
+        classes = list(classes) if isinstance(classes, (list, tuple)) else [classes]
+        if len(classes) != len(entries):
+            raise PlaitError(f"reward_processing_classes has {len(classes)} entries for {len(entries)} reward "
+                             "functions; give one per reward function (None where unused)")
+        funcs = [resolve_reward_funcs([e], self.plugins, c, field=f"reward_funcs[{i}]")[0]
+                 for i, (e, c) in enumerate(zip(entries, classes))]
+        seen: dict[str, int] = {}
+        for i, func in enumerate(funcs):  # unique names, so each reward gets its own metrics
+            seen[func.name] = seen.get(func.name, 0) + 1
+            if seen[func.name] > 1:
+                funcs[i] = attrs.evolve(func, name=f"{func.name}_{seen[func.name]}")
+        return funcs
+
+    def build_objective(self, p):
+        raise NotImplementedError
+
+    def before_peft(self, model, args, **kwargs):
+        if kwargs:
+            raise PlaitError(f"{type(self).__name__} got unexpected arguments {sorted(kwargs)}")
+        if args.params.beta > 0 and self.needs_reference_logps:
+            # With adapters the reference is the same weights with adapters off: no second copy.
+            self.reference = (Reference.adapters_disabled() if self.peft_config is not None
+                              else Reference.for_policy(model))
+        else:
+            self.reference = Reference.none()  # beta = 0: no reference model at all
+        return model
+
+    def prepare(self, dataset, processing_class, args, split):
+        if dataset is None:
+            return None
+        from .data import prepare_dataset
+
+        p = args.params
+        return prepare_dataset(dataset, processing_class, "prompt_only", plugins=self.plugins,
+                               max_length=p.max_prompt_length, num_proc=p.dataset_num_proc)
+
+    def make_collator(self, processing_class, args):
+        return self.plugins.collators.get("collator.prompt_only").obj(processing_class)
+
+    def after_init(self) -> None:
+        p = self.args.params
+        self.loss_is_scaled_for_ga = True  # every loss plugin normalises for accumulation itself
+        if self.reference.model is not None:
+            self.reference.model = self.accelerator.prepare_model(self.reference.model, evaluation_mode=True)
+        factory = self.plugins.generation_backends.get(p.generation_backend, family="generation").obj
+        self.backend = factory(self.model, self.processing_class, self.args)
+        self.backend.start()
+        self._synced_step = -1
+        self._micro_step = 0
+        self._buffer: dict | None = None
+        self._chunks: list[dict] = []
+        self._shuffle = torch.Generator().manual_seed(self.args.seed)
+        self._completions_table: list[dict] = []
+
+    # -- data loading -------------------------------------------------------------------------
+    def get_train_dataloader(self):
+        if self.train_dataset is None:
+            raise PlaitError(f"{type(self).__name__}.train() needs a train_dataset of prompts")
+        # One loader batch is one process's whole generation batch; it is re-served per micro-step.
+        return self._get_dataloader(self.train_dataset, "Training", self.sizes.local, self._get_train_sampler,
+                                    is_training=True)
+
+    def _get_train_sampler(self, train_dataset=None):
+        p = self.args.params
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return GroupSampler(len(dataset), p.num_generations, self.sizes.prompts,
+                            repeat=self.sizes.steps_per_generation * p.num_iterations,
+                            shuffle=p.shuffle_dataset, seed=self.args.seed)
+
+    def _get_eval_sampler(self, eval_dataset):
+        p = self.args.params
+        prompts = self.args.per_device_eval_batch_size * self.args.world_size // p.num_generations
+        return GroupSampler(len(eval_dataset) // prompts * prompts, p.num_generations, prompts, shuffle=False)
+
+    # -- the buffer ---------------------------------------------------------------------------
+    def _prepare_inputs(self, inputs):
+        if not self.model.training:  # evaluation: a fresh rollout, scored and used once
+            return self.rollout(inputs)
+        spg, iterations = self.sizes.steps_per_generation, self.args.params.num_iterations
+        if self._micro_step % (spg * iterations) == 0:
+            self._buffer = self.rollout(inputs)
+        if self._micro_step % spg == 0:  # a fresh shuffle for every pass over the buffer
+            self._chunks = _split(self._buffer, spg, self._shuffle)
+        chunk = self._chunks[self._micro_step % spg]
+        self._micro_step += 1
+        return chunk
+
+    def needs_old_logps(self) -> bool:
+        """Does the policy change while the buffer is in use? (then ratios need π_old)."""
+        uses = self.sizes.steps_per_generation * self.args.params.num_iterations
+        return self.args.gradient_accumulation_steps % uses != 0
+
+    # -- one rollout --------------------------------------------------------------------------
+    @torch.no_grad()
+    def rollout(self, inputs: dict) -> dict:
+        p = self.args.params
+        device = self.accelerator.device
+        prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(inputs["input_ids"], inputs["attention_mask"])]
+        prompts = inputs["prompt"]
+        columns = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "prompt")}
+        n, g = len(prompt_ids), p.num_generations
+
+        generations = self.generate(prompt_ids, g)
+        batch = _pack(prompt_ids, generations, self._pad_id(), device)
+        completion_mask = batch["completion_mask"]
+        finished = torch.tensor(generations.finished, device=device)
+        loss_mask = completion_mask * finished.unsqueeze(-1) if p.mask_truncated_completions else completion_mask
+
+        with self.compute_loss_context_manager():
+            old = self.policy_logps(batch) if (self.needs_old_logps() or generations.logprobs is not None) else None
+            ref = None
+            if p.beta > 0 and self.reference.available:
+                ref = self.reference(self.model_wrapped, lambda m: self.logps_of(m, batch))
+        weights = None
+        if generations.logprobs is not None and p.vllm_importance_sampling_correction:
+            sampler = _pad_floats(generations.logprobs, batch["completion_mask"].shape[1], device)
+            weights = importance_weights(old, sampler, completion_mask, p.vllm_importance_sampling_mode,
+                                         p.vllm_importance_sampling_cap)
+
+        completions = [[{"role": "assistant", "content": t}] if is_conversational(pr) else t
+                       for t, pr in zip(generations.texts, prompts)]
+        rewards = compute_rewards(self.reward_funcs, prompts=prompts, completions=completions,
+                                  completion_ids=generations.completion_ids, columns=columns,
+                                  trainer_state=self.state, on_error=p.reward_error_policy).to(device)
+        everyone = self.accelerator.gather(rewards)
+        advantages = self.advantages(everyone, batch=batch, old_logps=old, ref_logps=ref)
+        start = self.accelerator.process_index * n
+        local = advantages[start:start + n].to(device)
+
+        tokens = self.accelerator.gather(loss_mask.sum().reshape(1)).sum().float()
+        per_step = tokens / self.accelerator.num_processes  # dapo's normaliser, per process ...
+        if self.model.training:  # ... scaled to the share of the generation batch one optimizer step sees
+            per_step = per_step * self.args.gradient_accumulation_steps / self.sizes.steps_per_generation
+        self._record_rollout(everyone, completion_mask, finished, advantages)
+        if p.log_completions:
+            self._keep_completions(prompts, generations.texts, everyone[start:start + n], local)
+        out = {
+            "input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "completion_mask": loss_mask,
+            "advantages": local, "prompt_length": batch["prompt_length"],
+            "num_items_in_batch": per_step,
+        }
+        for key, value in (("old_logps", old), ("ref_logps", ref), ("importance_weights", weights)):
+            if value is not None:
+                out[key] = value
+        return out
+
+    def generate(self, prompt_ids: list[list[int]], g: int) -> Generations:
+        """Sample one completion per row. Rows come as whole groups when the process's share of the
+        generation batch holds whole groups; then each prompt is sent once with n = g."""
+        backend = self.backend
+        if not backend.shares_weights and self._synced_step != self.state.global_step:
+            backend.load_weights(self.accelerator.unwrap_model(self.model))
+            self._synced_step = self.state.global_step
+        sampling = self.args.params.sampling()
+        grouped = len(prompt_ids) % g == 0 and all(
+            prompt_ids[i] == prompt_ids[i - i % g] for i in range(len(prompt_ids)))
+        if grouped:
+            return backend.generate(prompt_ids[::g], attrs.evolve(sampling, num_generations=g))
+        return backend.generate(prompt_ids, sampling)
+
+    def logps_of(self, model, batch: dict) -> Tensor:
+        """Completion-token log-probs ``[N, C]`` of ``model``, per_device_train_batch_size rows at a time."""
+        size, width = self.args.per_device_train_batch_size, batch["prompt_length"]
+        parts = []
+        for start in range(0, batch["input_ids"].shape[0], size):
+            rows = slice(start, start + size)
+            out = token_logprobs(model, batch["input_ids"][rows], batch["attention_mask"][rows],
+                                 temperature=self.args.params.temperature)
+            parts.append(out.logps[:, width:].float())
+        return torch.cat(parts)
+
+    def policy_logps(self, batch: dict) -> Tensor:
+        return self.logps_of(self.model_wrapped, batch)
+
+    def advantages(self, rewards: Tensor, *, batch: dict, old_logps: Tensor | None, ref_logps: Tensor | None) -> Tensor:
+        """Advantages ``[N_all]`` of every process's completions from their scores ``[N_all, K]``."""
+        raise NotImplementedError
+
+    def gather_rollout(self, rewards: Tensor) -> Rollout:
+        return Rollout(rewards=rewards.float().cpu(), weights=self.reward_weights, group_size=self.args.params.num_generations)
+
+    # -- the loss ------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        p = self.args.params
+        width = inputs["prompt_length"]
+        out = token_logprobs(model, inputs["input_ids"], inputs["attention_mask"], temperature=p.temperature,
+                             with_entropy=True)
+        logps, mask = out.logps[:, width:], inputs["completion_mask"]
+        training = self.model.training
+        batch = PolicyTokens(
+            logps=logps, old_logps=inputs.get("old_logps", logps.detach()), advantages=inputs["advantages"],
+            mask=mask, ref_logps=inputs.get("ref_logps"), importance_weights=inputs.get("importance_weights"),
+            num_items_in_batch=inputs["num_items_in_batch"],
+            gradient_accumulation_steps=self.current_gradient_accumulation_steps if training else 1,
+            max_completion_length=p.max_completion_length,
+        )
+        loss, parts = self.objective(batch)
+        metrics = {"entropy": masked_mean(out.entropy[:, width:].detach(), mask)}
+        if batch.ref_logps is not None:
+            r = batch.ref_logps - logps.detach()
+            metrics["kl"] = masked_mean(torch.exp(r) - r - 1, mask)
+        metrics.update(self.clip_metrics(batch))
+        if len(parts) > 1:
+            metrics.update({f"loss/{name}": value.detach() for name, value in parts.items()})
+        self.record(metrics)
+        return (loss, None) if return_outputs else loss
+
+    def clip_ratio(self, batch: PolicyTokens) -> Tensor:
+        """The importance ratio the clip acts on, ``[B, T]`` or ``[B, 1]`` (metrics only)."""
+        return torch.exp(batch.logps.detach() - batch.old_logps)
+
+    def clip_metrics(self, batch: PolicyTokens) -> dict[str, Tensor]:
+        p = self.args.params
+        ratio = self.clip_ratio(batch).expand_as(batch.logps)
+        advantages = batch.token_advantages.expand_as(batch.logps)
+        high = p.epsilon if p.epsilon_high is None else p.epsilon_high
+        low_clipped = (ratio < 1 - p.epsilon) & (advantages < 0)
+        high_clipped = (ratio > 1 + high) & (advantages > 0)
+        return {
+            "clip_ratio/low_mean": masked_mean(low_clipped.float(), batch.mask),
+            "clip_ratio/high_mean": masked_mean(high_clipped.float(), batch.mask),
+            "clip_ratio/region_mean": masked_mean((low_clipped | high_clipped).float(), batch.mask),
+        }
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    # -- metrics and completions --------------------------------------------------------------
+    def _record_rollout(self, rewards: Tensor, completion_mask: Tensor, finished: Tensor, advantages: Tensor) -> None:
+        metrics = reward_metrics(rewards.cpu(), [f.name for f in self.reward_funcs], self.args.params.num_generations,
+                                 self.reward_weights)
+        lengths = self.accelerator.gather(completion_mask.sum(-1).float())
+        done = self.accelerator.gather(finished.float())
+        metrics.update({
+            "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(), "completions/clipped_ratio": 1 - done.mean().item(),
+            "advantages/std": advantages.float().std().item() if advantages.numel() > 1 else 0.0,
+        })
+        if self.model.training:
+            self._tokens_seen = getattr(self, "_tokens_seen", 0) + int(lengths.sum().item())
+            metrics["num_tokens"] = self._tokens_seen
+        self.record(metrics)
+
+    def _keep_completions(self, prompts, texts, rewards: Tensor, advantages: Tensor) -> None:
+        names = [f.name for f in self.reward_funcs]
+        self._completions_table = [
+            {"step": self.state.global_step, "prompt": _as_text(prompt), "completion": text,
+             **{name: float(r) for name, r in zip(names, row.tolist())}, "advantage": float(a)}
+            for prompt, text, row, a in zip(prompts, texts, rewards, advantages)
+        ]
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        super().log(logs, start_time)
+        rows, self._completions_table = getattr(self, "_completions_table", []), []
+        if rows and self.args.params.log_completions and self.accelerator.is_main_process:
+            limit = self.args.params.num_completions_to_print
+            print(_format_table(rows[:limit] if limit else rows))
+            if "wandb" in (self.args.report_to or []):
+                import wandb
+
+                if wandb.run is not None:
+                    columns = list(rows[0])
+                    wandb.log({"completions": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])})
+
+    def _pad_id(self) -> int:
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _pack(prompt_ids: list[list[int]], generations: Generations, pad_id: int, device) -> dict:
+    """Left-padded prompts then right-padded completions: ``input_ids`` [N, P + C] and masks."""
+    n = len(prompt_ids)
+    width = max(len(ids) for ids in prompt_ids)
+    length = max(1, max(len(ids) for ids in generations.completion_ids))
+    input_ids = torch.full((n, width + length), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, width + length), dtype=torch.long)
+    for i, (prompt, completion) in enumerate(zip(prompt_ids, generations.completion_ids)):
+        input_ids[i, width - len(prompt):width] = torch.tensor(prompt)
+        attention[i, width - len(prompt):width + len(completion)] = 1
+        if completion:
+            input_ids[i, width:width + len(completion)] = torch.tensor(completion)
+    return {"input_ids": input_ids.to(device), "attention_mask": attention.to(device),
+            "completion_mask": attention[:, width:].to(device), "prompt_length": width}
+
+
+def _pad_floats(rows: list[list[float]], width: int, device) -> Tensor:
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out.to(device)
+
+
+def importance_weights(trainer_logps: Tensor, sampler_logps: Tensor, mask: Tensor, mode: str, cap: float) -> Tensor:
+    """Correction for a sampler whose log-probs differ from the trainer's: ratio = π_old(trainer)/π(sampler).
+
+    ``token_*`` use the per-token ratio; ``sequence_*`` the product over the sequence (broadcast to its
+    tokens). ``*_truncate`` caps the ratio at ``cap``; ``*_mask`` zeroes it where it exceeds ``cap``.
+    """
+    log_ratio = (trainer_logps - sampler_logps) * mask
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(trainer_logps)
+    ratio = torch.exp(log_ratio.clamp(max=math.log(1e6)))
+    if mode.endswith("truncate"):
+        return ratio.clamp(max=cap)
+    return ratio.masked_fill(ratio > cap, 0.0)
+
+
+def _split(buffer: dict, parts: int, generator: torch.Generator) -> list[dict]:
+    """Shuffle the rows of a rollout and cut them into ``parts`` micro-batches (trailing padding trimmed)."""
+    n = buffer["input_ids"].shape[0]
+    if n % parts:
+        raise PlaitError(f"a rollout of {n} rows does not split into steps_per_generation={parts} micro-batches")
+    order = torch.randperm(n, generator=generator).to(buffer["input_ids"].device)
+    chunks = []
+    for rows in order.chunk(parts):
+        chunk = {k: (v[rows] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v) for k, v in buffer.items()}
+        keep = int(chunk["attention_mask"].sum(0).nonzero().max()) + 1  # drop columns that are padding in every row
+        width = chunk["prompt_length"]
+        keep = max(keep, width + 1)
+        for key in ("input_ids", "attention_mask"):
+            chunk[key] = chunk[key][:, :keep]
+        for key in ("completion_mask", "old_logps", "ref_logps", "importance_weights"):
+            if key in chunk:
+                chunk[key] = chunk[key][:, :keep - width]
+        chunks.append(chunk)
+    return chunks
+
+
+def _as_text(prompt: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if is_conversational(prompt):
+        return "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in prompt)
+    return str(prompt)
+
+
+def _format_table(rows: list[dict]) -> str:
+    columns = list(rows[0])
+
+    def cell(value: Any) -> str:
+        text = f"{value:.3f}" if isinstance(value, float) else str(value)
+        text = text.replace("\n", "⏎")
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    cells = [[cell(r[c]) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    line = " | ".join(c.ljust(w) for c, w in zip(columns, widths))
+    rule = "-+-".join("-" * w for w in widths)
+    return "\n".join([line, rule, *(" | ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells)])
+
