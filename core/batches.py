@@ -17,6 +17,11 @@ def _identity(x: Tensor) -> Tensor:
     return x
 
 
+def _frozen(x: Tensor | None) -> Tensor | None:
+    """Reference and sampling-time log-probs are constants: no loss may send gradient into them."""
+    return None if x is None else x.detach()
+
+
 @attrs.frozen
 class PreferenceLogps:
     """Summed completion log-probs for B preference pairs; every tensor has shape ``[B]``.
@@ -27,8 +32,8 @@ class PreferenceLogps:
 
     chosen_logps: Tensor
     rejected_logps: Tensor
-    ref_chosen_logps: Tensor
-    ref_rejected_logps: Tensor
+    ref_chosen_logps: Tensor = attrs.field(converter=_frozen)
+    ref_rejected_logps: Tensor = attrs.field(converter=_frozen)
     chosen_lengths: Tensor
     rejected_lengths: Tensor
     divergence: Callable[[Tensor], Tensor] = _identity
@@ -70,9 +75,9 @@ class UnpairedLogps:
     """
 
     logps: Tensor
-    ref_logps: Tensor
+    ref_logps: Tensor = attrs.field(converter=_frozen)
     desirable: Tensor
-    kl_logratio: Tensor
+    kl_logratio: Tensor = attrs.field(converter=_frozen)
 
     @property
     def logratios(self) -> Tensor:
@@ -169,10 +174,10 @@ class PolicyTokens:
     """
 
     logps: Tensor
-    old_logps: Tensor
+    old_logps: Tensor = attrs.field(converter=_frozen)
     advantages: Tensor
     mask: Tensor
-    ref_logps: Tensor | None = None
+    ref_logps: Tensor | None = attrs.field(default=None, converter=_frozen)
     importance_weights: Tensor | None = None
     num_items_in_batch: Tensor | float | None = None
     gradient_accumulation_steps: int = 1
@@ -191,3 +196,46 @@ class PolicyTokens:
     def lengths(self) -> Tensor:
         """|y_i|: counted completion tokens per row, ``[B]`` (float)."""
         return self.mask.to(self.logps.dtype).sum(-1)
+
+
+def _constant(x: Tensor | None) -> Tensor | None:
+    """Targets a loss measures against (a teacher, rollout-time values) never receive gradient."""
+    return None if x is None else x.detach()
+
+
+@attrs.frozen
+class TokenDistributions:
+    """Two models' next-token distributions at N positions, for a distillation loss.
+
+    ``logps`` ``[N, V]`` is the student's log-softmax at the method's temperature (with
+    gradient); ``teacher_logps`` ``[N, V]`` is the teacher's at the same temperature, a
+    constant. Rows are token positions, not sequences: the method hands a loss one chunk of
+    positions at a time (see :func:`plait.logprobs.compare_distributions`), so a loss returns one
+    value per row, ``[N]``, and never sees the whole ``[B, T, V]``.
+    """
+
+    logps: Tensor
+    teacher_logps: Tensor = attrs.field(converter=_constant)
+
+    @property
+    def batch_size(self) -> int:
+        return self.logps.shape[0]
+
+
+@attrs.frozen
+class ValueTokens:
+    """Per-token value estimates of B sampled completions for a critic loss (PPO); ``[B, T]`` each.
+
+    ``values`` are the value model's current estimates (with gradient), ``old_values`` its
+    estimates when the rollout was scored, ``returns`` the targets R = A + V_old; ``mask`` marks
+    the completion tokens that count.
+    """
+
+    values: Tensor
+    old_values: Tensor = attrs.field(converter=_constant)
+    returns: Tensor = attrs.field(converter=_constant)
+    mask: Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.values.shape[0]
