@@ -34,14 +34,16 @@ logger = logging.getLogger("plait")
 # ---------------------------------------------------------------------------------------------
 
 
-def _pick_precision(args: TrainingArguments) -> None:
-    """bf16/fp16 left as None are chosen from the hardware (TRL's bf16=True default fails on CPU)."""
+def _hardware_defaults(args: TrainingArguments) -> None:
+    """Fields left as None are chosen from the hardware (TRL's bf16=True default fails on CPU)."""
     if args.bf16 is None:
         args.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported() and not args.fp16)
         where = "CUDA with bf16 support" if args.bf16 else "no bf16-capable GPU"
         logger.info("plait: %s -> %s mixed precision", where, "bf16" if args.bf16 else "no (fp32)")
     if args.fp16 is None:
         args.fp16 = False
+    if args.dataloader_pin_memory is None:  # pinning needs an accelerator; on CPU it only warns
+        args.dataloader_pin_memory = torch.cuda.is_available()
 
 
 def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[str, Any] = {}, module: str | None = None) -> type:
@@ -62,7 +64,7 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
     fields.append(("chunked_logprobs", bool, dataclasses.field(default=True)))
     own = {f[0] for f in fields}
     inherited = config_fields(TrainingArguments)
-    for field_name, value in {"bf16": None, "fp16": None, **defaults}.items():
+    for field_name, value in {"bf16": None, "fp16": None, "dataloader_pin_memory": None, **defaults}.items():
         if field_name not in own:
             factory = (lambda v=value: list(v)) if isinstance(value, list) else None
             spec = dataclasses.field(default_factory=factory) if factory else dataclasses.field(default=value)
@@ -70,7 +72,7 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
             fields.append((field_name, annotation | None if value is None else annotation, spec))
 
     def __post_init__(self) -> None:
-        _pick_precision(self)
+        _hardware_defaults(self)
         values = {a.name: getattr(self, a.name) for a in attrs.fields(params)}
         try:
             self.params = params(**values)
