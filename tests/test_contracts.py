@@ -114,15 +114,55 @@ def test_nan_at_large_margins_is_caught():
     assert batch.margin.abs().max() * 0.1 > 88  # exp overflows float32 beyond 88.7
 
 
-def test_a_gradient_into_the_reference_is_caught():
-    def leaky(batch, p):  # forms the log-ratios by hand and forgets that the reference is a constant
-        chosen = batch.chosen_logps - batch.ref_chosen_logps
-        rejected = batch.rejected_logps - batch.ref_rejected_logps
-        return -F.logsigmoid(p.beta * (chosen - rejected))
+@attrs.frozen
+class RawPreferences:
+    """A third party's batch class that, unlike plait.batches, does not detach its reference."""
 
-    violation = violation_of("leaky", leaky, params=Beta)
+    chosen_logps: torch.Tensor
+    rejected_logps: torch.Tensor
+    ref_chosen_logps: torch.Tensor
+    ref_rejected_logps: torch.Tensor
+
+
+def leaky(batch, p):  # forms the log-ratios by hand and forgets that the reference is a constant
+    chosen = batch.chosen_logps - batch.ref_chosen_logps
+    rejected = batch.rejected_logps - batch.ref_rejected_logps
+    return -F.logsigmoid(p.beta * (chosen - rejected))
+
+
+def test_a_gradient_into_the_reference_is_caught():
+    # The kit knows RawPreferences only from its fields: ref_* are the reference, the rest policy.
+    violation = violation_of("leaky", leaky, params=Beta, consumes=RawPreferences)
     assert violation.property == "no gradient into the reference"
-    assert "d loss / d ref_chosen_logps = [" in str(violation) and "on input: PreferenceLogps(" in str(violation)
+    assert "d loss / d ref_chosen_logps = [" in str(violation) and "on input: RawPreferences(" in str(violation)
+    detached = lambda b, p: leaky(attrs.evolve(b, ref_chosen_logps=b.ref_chosen_logps.detach(),  # noqa: E731
+                                               ref_rejected_logps=b.ref_rejected_logps.detach()), p)
+    assert "no gradient into the reference" in check_loss(
+        "dpo.fixed", plugins_with(fixed=(detached, {"params": Beta, "consumes": RawPreferences})), max_examples=15)
+
+
+def test_plait_batches_keep_gradients_out_of_the_reference():
+    # plait.batches detaches reference log-probs itself, so no plait loss can leak into them.
+    if not _reference_detached_by_batches():
+        pytest.xfail("plait.batches does not detach the reference log-probs yet")
+    assert "no gradient into the reference" in check_loss("dpo.leaky", plugins_with(leaky=(leaky, {"params": Beta})),
+                                                           max_examples=15)
+
+
+def test_a_registered_batch_kind_is_used(monkeypatch):
+    from plait.testing.strategies import BATCH_KINDS, BatchKind, preference_logps
+
+    def raw(**kwargs):
+        return preference_logps(**kwargs).map(lambda b: RawPreferences(
+            b.chosen_logps, b.rejected_logps, b.ref_chosen_logps, b.ref_rejected_logps))
+
+    monkeypatch.setitem(BATCH_KINDS, RawPreferences, BatchKind(
+        RawPreferences, raw, policy=("chosen_logps", "rejected_logps"), reference=(),
+        raise_margin=lambda b, d: attrs.evolve(b, chosen_logps=b.chosen_logps + d)))
+    checked = check_loss("dpo.leaky", plugins_with(leaky=(leaky, {"params": Beta, "consumes": RawPreferences,
+                                                                  "monotone": "non_increasing_in_margin"})),
+                         max_examples=15)
+    assert "no gradient into the reference" not in checked and "monotone: non_increasing_in_margin" in checked
 
 
 @pytest.mark.parametrize("fn, options, prop", [
