@@ -275,3 +275,53 @@ def test_grpo_raises_the_reward_on_the_tiny_model():
     print("GRPO reward per 5 steps:", [round(r, 3) for r in rewards])
     assert rewards[0] < 1.5  # about 10% of 8 tokens by chance
     assert rewards[-1] > 3.0 and rewards[-1] > 3 * rewards[0]
+
+
+DDP_SCRIPT = '''
+import json, os, sys
+import plait
+from plait.testing.tiny_model import tiny_model_path
+
+rank = int(os.environ["RANK"])
+log = open(os.path.join(sys.argv[1], f"rank{rank}.jsonl"), "w")
+
+def low_tokens(prompts, completion_ids, **kwargs):
+    log.write(json.dumps(prompts) + "\\n")
+    log.flush()
+    return [float(sum(t < 100 for t in ids)) for ids in completion_ids]
+
+prompts = [{"prompt": p} for p in ["a b", "c d", "e f", "g h", "i j", "k l"]] * 4
+args = plait.GRPOConfig(output_dir=sys.argv[1], per_device_train_batch_size=2, num_generations=4, max_completion_length=4,
+                        max_steps=3, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True,
+                        learning_rate=1e-2)
+t = plait.GRPOTrainer(str(tiny_model_path()), reward_funcs=low_tokens, args=args, train_dataset=prompts)
+t.train()
+weights = sum(p.detach().double().sum().item() for p in t.model.parameters())
+json.dump({"weights": weights, "processes": t.accelerator.num_processes,
+           "rewards": [h["reward"] for h in t.state.log_history if "reward" in h]},
+          open(os.path.join(sys.argv[1], f"result{rank}.json"), "w"))
+'''
+
+
+@pytest.mark.slow
+def test_two_processes_share_groups_and_stay_in_sync(tmp_path):
+    """per_device 2 × 2 processes with groups of 4: each group straddles both processes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "ddp_grpo.py"
+    script.write_text(DDP_SCRIPT)
+    torchrun = Path(sys.executable).parent / "torchrun"
+    done = subprocess.run([str(torchrun), "--nproc_per_node", "2", str(script), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1)]
+    assert results[0]["processes"] == 2
+    assert results[0]["weights"] == results[1]["weights"]  # DDP kept the replicas identical
+    assert results[0]["rewards"] == results[1]["rewards"]  # metrics are gathered over both processes
+    calls = [[json.loads(line) for line in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert len(calls[0]) == len(calls[1]) == 3
+    for mine, theirs in zip(*calls):  # one group = this process's 2 rows + the other's 2 rows
+        assert len(set(mine)) == 1 and mine == theirs
