@@ -1,0 +1,153 @@
+"""Reward models: a sequence classifier with one output trained on preference pairs.
+
+Ouyang et al. 2022, "Training language models to follow instructions with human feedback",
+§3.5 and eq. 1. The backbone with a scalar head reads prompt + completion and scores the last
+non-pad token; one forward over ``2B`` rows [chosen…; rejected…] gives the rewards of both sides,
+packed into a :class:`plait.batches.PairwiseRewards` (with the dataset's optional per-pair
+``margin`` column) for the composed ``reward_model.*`` losses (Bradley-Terry by default, with
+``center_rewards_coefficient`` shared into it). The saved folder is an ordinary
+``AutoModelForSequenceClassification`` checkpoint, usable by path as a reward in GRPO/RLOO.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import attrs
+from transformers import AutoModelForSequenceClassification
+
+from plait import Method, PlaitError, hookimpl
+from plait.batches import PairwiseRewards
+from plait.config import method_config
+from plait.data import prepare_dataset
+from plait.objective import Objective, normalise_loss_specs
+from plait.params import non_negative, positive
+from plait.plugins._collate import pad_token_id
+from plait.trainer import PlaitTrainer
+
+logger = logging.getLogger("plait")
+
+
+@attrs.define
+class RewardParams:
+    """The reward model's own knobs; names follow TRL's RewardConfig."""
+
+    center_rewards_coefficient: float | None = attrs.field(default=None, validator=attrs.validators.optional(non_negative))
+    loss_type: str | list = "bradley_terry"
+    loss_weights: list | None = None
+    loss: list | None = None
+    max_length: int | None = attrs.field(default=1024, validator=attrs.validators.optional(positive))
+    truncation_mode: str = "keep_end"
+    pad_to_multiple_of: int | None = None
+    model_init_kwargs: dict | None = None
+    dataset_num_proc: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        self.loss_specs()  # malformed loss lists fail now; names are resolved by the trainer
+
+    def loss_specs(self) -> list[dict]:
+        if self.loss is not None:
+            return normalise_loss_specs(self.loss, field="loss")
+        return normalise_loss_specs(self.loss_type, self.loss_weights, field="loss_type")
+
+
+RewardConfig = method_config(
+    "RewardConfig", RewardParams,
+    defaults={"learning_rate": 1e-4, "logging_steps": 10, "remove_unused_columns": False},
+)
+
+
+class ScalarRewardModel:
+    """What a model path is loaded as: a sequence classifier with one output. A causal-LM
+    checkpoint gets a new, randomly initialised score head on top of its backbone."""
+
+    @staticmethod
+    def from_pretrained(path, **kwargs):
+        return AutoModelForSequenceClassification.from_pretrained(path, **{"num_labels": 1, **kwargs})
+
+
+def _score_head_trainable(peft_config):
+    """PEFT's SEQ_CLS task keeps the score head trainable (modules_to_save); without it the new,
+    random head would stay frozen. Copied, so the caller's config is left as given."""
+    if peft_config is None or str(getattr(peft_config, "task_type", None)) in ("SEQ_CLS", "TaskType.SEQ_CLS"):
+        return peft_config
+    logger.info("reward model: peft_config.task_type=%r -> 'SEQ_CLS' so the score head is trained",
+                getattr(peft_config, "task_type", None))
+    peft_config = copy.deepcopy(peft_config)
+    peft_config.task_type = "SEQ_CLS"
+    return peft_config
+
+
+class RewardTrainer(PlaitTrainer):
+    """Bradley-Terry reward modelling with ``reward_model.*`` losses composed by name."""
+
+    method = "reward_model"
+    config_class = RewardConfig
+    auto_model_class = ScalarRewardModel
+
+    def __init__(self, model, args=None, peft_config=None, **kwargs):
+        super().__init__(model, args=args, peft_config=_score_head_trainable(peft_config), **kwargs)
+
+    def validate(self, args) -> None:
+        p = args.params
+        self.objective = Objective.build(
+            p.loss_specs(), self.plugins.losses, family="reward_model", consumes=PairwiseRewards,
+            shared={"center_rewards_coefficient": p.center_rewards_coefficient or 0.0},
+        )
+
+    def before_peft(self, model, args, **kwargs):
+        name = type(model).__name__
+        if not name.endswith("ForSequenceClassification"):
+            raise PlaitError(f"model is a {name}; a reward model is a …ForSequenceClassification with num_labels=1: "
+                             "pass the checkpoint's path (a new score head is added) or load it with "
+                             "AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)")
+        if model.config.num_labels != 1:
+            raise PlaitError(f"model has num_labels={model.config.num_labels}; a reward model has one output: "
+                             "load it with num_labels=1")
+        return super().before_peft(model, args, **kwargs)
+
+    def prepare(self, dataset, processing_class, args, split):
+        if dataset is None:
+            return None
+        p = args.params
+        return prepare_dataset(
+            dataset, processing_class, "preference", plugins=self.plugins, max_length=p.max_length,
+            truncation_mode=p.truncation_mode, num_proc=p.dataset_num_proc,
+        )
+
+    def make_collator(self, processing_class, args):
+        factory = self.plugins.collators.get("collator.preference").obj
+        return factory(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
+
+    def after_init(self) -> None:
+        # The classifier scores the last token that is not padding: it must know the pad id the
+        # collator pads with (and the saved checkpoint must, for whoever scores with it later).
+        config, pad_id = self.model.config.get_text_config(), pad_token_id(self.processing_class)
+        if config.pad_token_id != pad_id:
+            config.pad_token_id = pad_id
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        rewards = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False)
+        chosen, rejected = rewards.logits[:, 0].float().chunk(2)
+        if "margin" in inputs:
+            batch = PairwiseRewards(chosen, rejected, inputs["margin"].to(chosen.dtype))
+        else:
+            batch = PairwiseRewards(chosen, rejected)
+        loss, parts = self.objective(batch)
+
+        chosen, rejected = chosen.detach(), rejected.detach()
+        metrics = {
+            "accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean(),
+            "rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
+        }
+        if len(parts) > 1:
+            metrics.update({f"loss/{name}": value.detach() for name, value in parts.items()})
+        self.record(metrics)
+        return (loss, rewards) if return_outputs else loss
+
+
+@hookimpl
+def register_methods(register):
+    register("method.reward_model", Method(config=RewardConfig, trainer=RewardTrainer, loss_family="reward_model",
+                                           summary="Reward modelling: a scalar-head sequence classifier, Bradley-Terry loss"))
