@@ -41,7 +41,8 @@ class RewardModelScorer:
             messages = list(completion) if _is_conversation(completion) else [
                 {"role": "assistant", "content": completion_text(completion)}]
             return self.tokenizer.apply_chat_template(list(prompt) + messages, tokenize=False), True
-        return str(prompt) + completion_text(completion), False
+        # The data layer ends a string completion with EOS when a reward model trains: score alike.
+        return str(prompt) + completion_text(completion) + (self.tokenizer.eos_token or ""), False
 
     @torch.inference_mode()
     def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:

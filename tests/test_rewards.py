@@ -553,7 +553,10 @@ def test_a_reward_model_folder_scores_prompt_plus_completion(plugins, reward_mod
     assert func.name == "tiny-rm" and not func.is_async
     prompts, completions = ["What is 7 plus 5?", "Say hi"], [" The answer is 12.", " hi there, how are you today"]
     out = compute_rewards([func], prompts=prompts, completions=completions, completion_ids=[[1], [1]])
-    expected = single_scores(reward_model_folder, [p + c for p, c in zip(prompts, completions)])
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(reward_model_folder).eos_token  # as the RM saw completions in training
+    expected = single_scores(reward_model_folder, [p + c + eos for p, c in zip(prompts, completions)])
     assert out[:, 0].tolist() == pytest.approx(expected, abs=1e-4)  # padding in the batch changes nothing
     assert out[0, 0] != out[1, 0]
 
