@@ -215,7 +215,6 @@ class OnlineTrainer(PlaitTrainer):
     and implement :meth:`build_objective` and :meth:`advantages`."""
 
     loss_family: ClassVar[str]
-    needs_reference_logps: ClassVar[bool] = True  # when beta > 0
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
@@ -273,10 +272,14 @@ class OnlineTrainer(PlaitTrainer):
     def build_objective(self, p):
         raise NotImplementedError
 
+    def uses_reference(self, p) -> bool:
+        """A KL term with beta > 0 (the config's, or one a loss entry sets itself) needs the reference."""
+        return p.beta > 0 or any((getattr(term.params, "beta", 0.0) or 0.0) > 0 for term in self.objective.terms)
+
     def before_peft(self, model, args, **kwargs):
         if kwargs:
             raise PlaitError(f"{type(self).__name__} got unexpected arguments {sorted(kwargs)}")
-        if args.params.beta > 0 and self.needs_reference_logps:
+        if self.uses_reference(args.params):
             # With adapters the reference is the same weights with adapters off: no second copy.
             self.reference = (Reference.adapters_disabled() if self.peft_config is not None
                               else Reference.for_policy(model))
@@ -368,7 +371,7 @@ class OnlineTrainer(PlaitTrainer):
         with self.compute_loss_context_manager():
             old = self.policy_logps(batch) if (self.needs_old_logps() or generations.logprobs is not None) else None
             ref = None
-            if p.beta > 0 and self.reference.available:
+            if self.reference.available:
                 ref = self.reference(self.model_wrapped, lambda m: self.logps_of(m, batch))
         weights = None
         if generations.logprobs is not None and p.vllm_importance_sampling_correction:

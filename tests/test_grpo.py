@@ -196,6 +196,11 @@ def test_beta_positive_loads_a_frozen_reference_and_logs_kl():
     assert kl and kl[-1] > 0
 
 
+def test_a_loss_entry_with_its_own_beta_also_gets_a_reference():
+    t = trainer(loss=[{"name": "dapo", "beta": 0.1}])
+    assert t.args.params.beta == 0.0 and t.reference.model is not None
+
+
 def test_peft_reference_is_the_policy_with_adapters_off():
     from peft import LoraConfig
 
