@@ -16,7 +16,8 @@ _EXPORTS = {
     "contracts": ("ContractViolation", "check_advantage_estimator", "check_component", "check_loss",
                   "check_params", "check_reward", "describe"),
     "strategies": ("BatchKind", "batch_kind", "batches", "pairwise_rewards", "policy_tokens", "preference_logps",
-                   "register_batch_kind", "reward_inputs", "rollouts", "take", "token_logps", "unpaired_logps"),
+                   "register_batch_kind", "reward_inputs", "rollouts", "take", "token_distributions", "token_logps",
+                   "unpaired_logps", "value_tokens"),
     "tiny_model": ("build_tiny_model", "tiny_model_path"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -53,7 +53,7 @@ __all__ = [
 MONOTONE = ("non_increasing_in_margin",)
 # The keyword arguments every reward function receives besides dataset columns.
 REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
-DEFAULT_EXAMPLES = 30
+DEFAULT_EXAMPLES = 25
 
 
 class ContractViolation(AssertionError):

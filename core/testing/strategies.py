@@ -7,11 +7,13 @@ that return None, groups whose rewards are all equal, token masks with empty row
 
 Loss batches (:mod:`plait.batches`)::
 
-    preference_logps()  PreferenceLogps   DPO family: summed log-probs of B pairs, [B]
-    unpaired_logps()    UnpairedLogps     KTO family: [B] plus a 0-dim KL estimate
-    token_logps()       TokenLogps        SFT family: per-token log-probs and mask, [B, T]
-    pairwise_rewards()  PairwiseRewards   reward-model family: scalar rewards of B pairs
-    policy_tokens()     PolicyTokens      GRPO/RLOO family: policy, sampler and reference log-probs [B, T]
+    preference_logps()     PreferenceLogps     DPO family: summed log-probs of B pairs, [B]
+    unpaired_logps()       UnpairedLogps       KTO family: [B] plus a 0-dim KL estimate
+    token_logps()          TokenLogps          SFT family: per-token log-probs and mask, [B, T]
+    pairwise_rewards()     PairwiseRewards     reward models: scalar rewards of B pairs, [B]
+    policy_tokens()        PolicyTokens        GRPO/RLOO/PPO policy: policy, sampler, reference [B, T]
+    value_tokens()         ValueTokens         PPO critic: values, old values, returns [B, T]
+    token_distributions()  TokenDistributions  distillation: student and teacher log-softmax [N, V]
 
 Online RL::
 
@@ -33,11 +35,14 @@ from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 from torch import Tensor
 
-from plait.batches import PairwiseRewards, PolicyTokens, PreferenceLogps, Rollout, TokenLogps, UnpairedLogps
+from plait.batches import (
+    PairwiseRewards, PolicyTokens, PreferenceLogps, Rollout, TokenDistributions, TokenLogps, UnpairedLogps, ValueTokens,
+)
 
 __all__ = [
     "BATCH_KINDS", "BatchKind", "batch_kind", "batches", "pairwise_rewards", "policy_tokens", "preference_logps",
-    "register_batch_kind", "reward_inputs", "rollouts", "take", "token_logps", "unpaired_logps",
+    "register_batch_kind", "reward_inputs", "rollouts", "take", "token_distributions", "token_logps",
+    "unpaired_logps", "value_tokens",
 ]
 
 HALF = (torch.float16, torch.bfloat16)
@@ -234,6 +239,50 @@ def policy_tokens(
     )
 
 
+@st.composite
+def value_tokens(
+    draw, *, min_size: int = 1, max_size: int = 4, max_tokens: int = 8, dtype: torch.dtype = torch.float32,
+    max_value: float | None = None,
+) -> ValueTokens:
+    """A :class:`~plait.batches.ValueTokens`: old values equal to, near or far from the current ones."""
+    size, tokens = draw(st.integers(min_size, max_size)), draw(st.integers(1, max_tokens))
+    n, bound = size * tokens, (50.0 if _is_half(dtype) else 1e3) if max_value is None else max_value
+    value = st.floats(-bound, bound)
+    values = draw(st.lists(value, min_size=n, max_size=n))
+    relation = draw(st.sampled_from(["equal", "close", "independent"]))
+    if relation == "equal":
+        old = values
+    elif relation == "close":
+        old = [v + d for v, d in zip(values, draw(st.lists(st.floats(-1.0, 1.0), min_size=n, max_size=n)))]
+    else:
+        old = draw(st.lists(value, min_size=n, max_size=n))
+    mask = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    mask[draw(st.integers(0, n - 1))] = True
+    grid = lambda v: _tensor(v, dtype).view(size, tokens)  # noqa: E731
+    return ValueTokens(values=grid(values), old_values=grid(old),
+                       returns=grid(draw(st.lists(value, min_size=n, max_size=n))),
+                       mask=torch.tensor(mask).view(size, tokens))
+
+
+@st.composite
+def token_distributions(
+    draw, *, min_size: int = 1, max_size: int = 4, max_vocab: int = 8, dtype: torch.dtype = torch.float32,
+    max_logit: float | None = None,
+) -> TokenDistributions:
+    """A :class:`~plait.batches.TokenDistributions`: log-softmax of student and teacher logits ``[N, V]``.
+
+    Logits span ±50 (±10 in half precision), so some probabilities underflow to 0.
+    """
+    size, vocab = draw(st.integers(min_size, max_size)), draw(st.integers(2, max_vocab))
+    bound = (10.0 if _is_half(dtype) else 50.0) if max_logit is None else max_logit
+    logits = lambda: _tensor(draw(st.lists(st.floats(-bound, bound), min_size=size * vocab,  # noqa: E731
+                                           max_size=size * vocab)), torch.float64).view(size, vocab)
+    student, teacher = logits(), logits()
+    if draw(st.booleans()):
+        teacher = student.clone()  # a student that already matches its teacher: divergence 0
+    return TokenDistributions(logps=student.log_softmax(-1).to(dtype), teacher_logps=teacher.log_softmax(-1).to(dtype))
+
+
 # ---------------------------------------------------------------------------------------------
 # What the contract checks need to know about each batch class
 # ---------------------------------------------------------------------------------------------
@@ -301,6 +350,9 @@ for _kind in (
     # old_logps (the sampler's) are constants too, but a ratio to them is the point of the loss.
     BatchKind(PolicyTokens, policy_tokens, policy=("logps",), reference=("ref_logps",), mask="mask",
               token_shape="logps"),
+    BatchKind(ValueTokens, value_tokens, policy=("values",), mask="mask", token_shape="values"),
+    # The teacher is a constant to the student exactly as a reference policy is.
+    BatchKind(TokenDistributions, token_distributions, policy=("logps",), reference=("teacher_logps",)),
 ):
     register_batch_kind(_kind)
 
