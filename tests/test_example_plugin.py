@@ -201,8 +201,22 @@ def test_the_example_passes_its_own_test_suite(example_installed):
 FENCE = re.compile(r"^```(\w*)[ \t]*([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 
 
-def doc_blocks() -> list[tuple[int, str, dict[str, str], str]]:
-    text = DOC.read_text()
+README_SECTION = "## Writing a plugin"
+
+
+def doc_text(doc: Path) -> str:
+    """The page, or for the README only its "Writing a plugin" section (the rest is prose)."""
+    text = doc.read_text()
+    if doc.name == "README.md":
+        start = text.index(README_SECTION)
+        end = text.find("\n## ", start + len(README_SECTION))
+        text = text[: end if end != -1 else len(text)]
+        text = "\n" * text.count("\n", 0, start) + text[start:]  # keep line numbers true
+    return text
+
+
+def doc_blocks(doc: Path = DOC) -> list[tuple[int, str, dict[str, str], str]]:
+    text = doc_text(doc)
     blocks = []
     for match in FENCE.finditer(text):
         line = text.count("\n", 0, match.start()) + 1
@@ -256,11 +270,13 @@ def _console(block: str) -> list[tuple[str, list[str]]]:
     return sessions
 
 
-def test_doc_snippets_run(example_installed, tmp_path):
-    blocks = doc_blocks()
+@pytest.mark.parametrize("doc", [DOC, ROOT / "README.md"], ids=["writing-plugins.md", "README.md"])
+def test_doc_snippets_run(example_installed, tmp_path, doc):
+    blocks = doc_blocks(doc)
+    assert blocks, f"{doc.name} has no code blocks to run"
     previous_stdout = None
     for line, lang, attributes, body in blocks:
-        where = f"{DOC.name}:{line}"
+        where = f"{doc.name}:{line}"
         if lang == "python" and "file" in attributes:
             assert body == (ROOT / attributes["file"]).read_text(), f"{where} differs from {attributes['file']}"
             previous_stdout = None
@@ -303,3 +319,31 @@ def test_the_pytest_plugin_is_registered_through_pytest11(pytestconfig, plait_pl
     assert pytestconfig.pluginmanager.hasplugin("plait")  # the name of the pytest11 entry point
     assert "dpo.sigmoid" in plait_plugins.losses
     assert (tiny_model_path / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_recipe_composes_its_loss_with_a_builtin_and_trains(example_installed, tmp_path):
+    import json
+
+    from plait.cli import main
+    from plait.testing.tiny_model import tiny_model_path
+
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Tell me about the {w}.", "chosen": f" The {w} is good.",
+                                        "rejected": f" The {w} is bad."}) + "\n"
+                            for w in ["apple", "river", "stone", "cloud", "music", "garden", "window", "paper"]))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"""
+method: dpo
+model: {tiny_model_path()}
+dataset: {{path: json, data_files: {data}}}
+loss:
+  - {{name: dpo.sigmoid, weight: 1.0}}
+  - {{name: simpo, weight: 0.5, beta: 2.0, gamma: 0.5}}
+training: {{output_dir: {tmp_path / 'out'}, max_steps: 4, per_device_train_batch_size: 4, logging_steps: 1,
+           learning_rate: 1.0e-3, save_strategy: "no", report_to: none, disable_tqdm: true}}
+""")
+    assert main(["dpo", "--config", str(recipe)]) == 0
+    state = json.loads((tmp_path / "out" / "plait_run.json").read_text())
+    assert {"distribution": "plait-example-plugin", "name": "example_simpo", "version": "0.1.0"} in state["plugins"]
+    assert state["config"]["loss"][1]["name"] == "simpo"
