@@ -35,6 +35,7 @@ from .batches import PolicyTokens, Rollout, masked_mean
 from .chat import is_conversational
 from .errors import PlaitError
 from .generation import Generations, SamplingParams
+from .importance_sampling import importance_sampling_metrics, importance_weights
 from .logprobs import token_logprobs
 from .models import Reference
 from .params import in_range, non_negative, positive
@@ -378,6 +379,8 @@ class OnlineTrainer(PlaitTrainer):
             sampler = _pad_floats(generations.logprobs, batch["completion_mask"].shape[1], device)
             weights = importance_weights(old, sampler, completion_mask, p.vllm_importance_sampling_mode,
                                          p.vllm_importance_sampling_cap)
+            self.record(importance_sampling_metrics(old, sampler, completion_mask, p.vllm_importance_sampling_mode,
+                                                    p.vllm_importance_sampling_cap))
 
         completions = [[{"role": "assistant", "content": t}] if is_conversational(pr) else t
                        for t, pr in zip(generations.texts, prompts)]
@@ -558,21 +561,6 @@ def _pad_floats(rows: list[list[float]], width: int, device) -> Tensor:
     for i, row in enumerate(rows):
         out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
     return out.to(device)
-
-
-def importance_weights(trainer_logps: Tensor, sampler_logps: Tensor, mask: Tensor, mode: str, cap: float) -> Tensor:
-    """Correction for a sampler whose log-probs differ from the trainer's: ratio = π_old(trainer)/π(sampler).
-
-    ``token_*`` use the per-token ratio; ``sequence_*`` the product over the sequence (broadcast to its
-    tokens). ``*_truncate`` caps the ratio at ``cap``; ``*_mask`` zeroes it where it exceeds ``cap``.
-    """
-    log_ratio = (trainer_logps - sampler_logps) * mask
-    if mode.startswith("sequence"):
-        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(trainer_logps)
-    ratio = torch.exp(log_ratio.clamp(max=math.log(1e6)))
-    if mode.endswith("truncate"):
-        return ratio.clamp(max=cap)
-    return ratio.masked_fill(ratio > cap, 0.0)
 
 
 def _split(buffer: dict, parts: int, generator: torch.Generator) -> list[dict]:
