@@ -72,6 +72,7 @@ def test_generation_batch_size_and_steps_per_generation():
     ({"importance_sampling_level": "seq"}, "importance_sampling_level='seq'"),
     ({"generation_backend": "vlm"}, "unknown generation backend 'vlm'"),
     ({"reward_error_policy": "skip"}, "reward_error_policy='skip' must be one of fail, none"),
+    ({"remove_unused_columns": True}, "remove_unused_columns=True would drop the prompt"),
 ])
 def test_bad_settings_fail_before_the_model_loads(overrides, message):
     with pytest.raises(PlaitError, match=message):
