@@ -198,11 +198,6 @@ class PolicyTokens:
         return self.mask.to(self.logps.dtype).sum(-1)
 
 
-def _constant(x: Tensor | None) -> Tensor | None:
-    """Targets a loss measures against (a teacher, rollout-time values) never receive gradient."""
-    return None if x is None else x.detach()
-
-
 @attrs.frozen
 class TokenDistributions:
     """Two models' next-token distributions at N positions, for a distillation loss.
@@ -215,7 +210,7 @@ class TokenDistributions:
     """
 
     logps: Tensor
-    teacher_logps: Tensor = attrs.field(converter=_constant)
+    teacher_logps: Tensor = attrs.field(converter=_frozen)
 
     @property
     def batch_size(self) -> int:
@@ -232,8 +227,8 @@ class ValueTokens:
     """
 
     values: Tensor
-    old_values: Tensor = attrs.field(converter=_constant)
-    returns: Tensor = attrs.field(converter=_constant)
+    old_values: Tensor = attrs.field(converter=_frozen)
+    returns: Tensor = attrs.field(converter=_frozen)
     mask: Tensor
 
     @property
