@@ -423,8 +423,11 @@ class OnlineTrainer(PlaitTrainer):
         grouped = len(prompt_ids) % g == 0 and all(
             prompt_ids[i] == prompt_ids[i - i % g] for i in range(len(prompt_ids)))
         if grouped:
-            return backend.generate(prompt_ids[::g], attrs.evolve(sampling, num_generations=g))
-        return backend.generate(prompt_ids, sampling)
+            out = backend.generate(prompt_ids[::g], attrs.evolve(sampling, num_generations=g))
+        else:
+            out = backend.generate(prompt_ids, sampling)
+        backend.sleep()  # the policy trains now: an engine may release its memory (it wakes to generate)
+        return out
 
     def logps_of(self, model, batch: dict) -> Tensor:
         """Completion-token log-probs ``[N, C]`` of ``model``, per_device_train_batch_size rows at a time."""
