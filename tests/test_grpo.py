@@ -271,7 +271,6 @@ def test_evaluation_generates_and_reports_a_loss():
 # -- learning ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_grpo_raises_the_reward_on_the_tiny_model():
     torch.manual_seed(0)
     t = trainer(per_device_train_batch_size=16, num_generations=8, max_completion_length=8, max_steps=30,

@@ -65,7 +65,6 @@ def test_old_log_probs_are_computed_for_the_kl_penalty():
     assert out["old_logps"].shape == out["ref_logps"].shape == out["completion_mask"].shape
 
 
-@pytest.mark.slow
 def test_rloo_raises_the_reward_on_the_tiny_model():
     torch.manual_seed(0)
     t = trainer(per_device_train_batch_size=16, num_generations=8, max_completion_length=8, max_steps=30,
