@@ -23,6 +23,7 @@ from plait.generation import SamplingParams
 from plait.testing.tiny_model import tiny_model_path
 
 from test_vllm_colocate import CHAT, EXACT, max_gap, train_step
+from test_vllm_grpo import grpo, logged, raises_the_reward
 
 pytest.importorskip("vllm")
 
@@ -139,3 +140,13 @@ def test_weight_sync_over_the_side_channel_matches_the_trainer(backend, tiny):
           f"push {backend.push_seconds[-1] * 1000:.1f} ms")
     assert stale > 1e-3
     assert fresh <= EXACT
+
+
+def test_grpo_with_vllm_server_raises_the_reward(server):
+    t = grpo("vllm_server", vllm_server_port=server["port"], vllm_server_token=TOKEN, vllm_group_port=free_port())
+    try:
+        raises_the_reward(t)
+        gap = logged(t, "sampling/sampling_logp_difference/mean")
+        assert gap and all(g < 1e-4 for g in gap)  # a float32 server samples with the trainer's numbers
+    finally:
+        t.backend.close()
