@@ -107,7 +107,8 @@ def build_parser(plugins: Plugins) -> argparse.ArgumentParser:
 
     commands = dict(BUILTIN)
     for component in plugins.methods:  # every method, third-party ones included, gets `plait <method>`
-        commands[component.name.split(".", 1)[1]] = method_command(component.name.split(".", 1)[1])
+        name = component.name.split(".", 1)[1]
+        commands[name] = method_command(name, component.obj)
     for component in plugins.commands:
         name = component.name.split(".", 1)[1]
         if name in commands:  # never let a plugin silently replace a built-in or a method's command

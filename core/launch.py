@@ -1,0 +1,87 @@
+"""Start one ``plait <method>`` command on N processes: the same recipe, unchanged, on 1 or N.
+
+``--num_processes N`` / ``--accelerate_config NAME|PATH`` relaunch the command (without those
+two flags) as ``python -m plait.cli ...`` in every process. Presets live in
+``plait/accelerate_configs/`` (cpu_ddp, multi_gpu, fsdp, zero1, zero2, zero3); any accelerate
+config file works too. GPU presets go through ``accelerate launch``. CPU data parallelism goes
+through ``torch.distributed.run`` instead, because ``accelerate launch --cpu`` expects mpirun and
+starts a single process; the processes are told to use the CPU (``ACCELERATE_USE_CPU``), so
+accelerate joins them with gloo, and each gets an equal share of the cores.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from .errors import PlaitError
+
+PRESETS = Path(__file__).with_name("accelerate_configs")
+CPU_PRESET, GPU_PRESET = "cpu_ddp", "multi_gpu"
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in PRESETS.glob("*.yaml"))
+
+
+def preset_path(name_or_path: str) -> Path:
+    """A preset by name, or an accelerate config file by path."""
+    path = Path(name_or_path).expanduser()
+    if path.suffix in (".yaml", ".yml", ".json") and path.is_file():
+        return path
+    if (PRESETS / f"{name_or_path}.yaml").is_file():
+        return PRESETS / f"{name_or_path}.yaml"
+    match = difflib.get_close_matches(name_or_path, presets(), n=1, cutoff=0.5)
+    hint = f"did you mean {match[0]!r}? " if match else ""
+    raise PlaitError(f"--accelerate_config {name_or_path!r}: no such preset or file; {hint}"
+                     f"presets: {', '.join(presets())}, or the path of an accelerate config file")
+
+
+def launched_by_plait_or_a_launcher() -> bool:
+    """Inside a process that torchrun/accelerate started (so never relaunch from here)."""
+    return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def launch_command(argv: list[str], num_processes: int | None = None, accelerate_config: str | None = None,
+                   environ: dict | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that run ``plait <argv>`` on ``num_processes`` processes."""
+    if num_processes is not None and num_processes < 1:
+        raise PlaitError(f"--num_processes {num_processes}: must be 1 or more")
+    env = dict(os.environ if environ is None else environ)
+    path = preset_path(accelerate_config or (GPU_PRESET if _gpus() else CPU_PRESET))
+    try:
+        preset = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise PlaitError(f"--accelerate_config {str(path)!r} is not valid YAML ({err}); fix the file") from err
+    if not isinstance(preset, dict):
+        raise PlaitError(f"--accelerate_config {str(path)!r}: expected an accelerate config mapping; fix the file")
+    on_cpu = bool(preset.get("use_cpu")) or preset.get("distributed_type") == "MULTI_CPU"
+    n = num_processes or (preset.get("num_processes") if on_cpu else _gpus() or preset.get("num_processes")) or 1
+    module = ["-m", "plait.cli", *argv]
+    if on_cpu:
+        env["ACCELERATE_USE_CPU"] = "true"  # -> accelerate picks MULTI_CPU with gloo in every process
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *module]
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path),
+                   "--num_processes", str(n), *module]
+    return command, env
+
+
+def launch(argv: list[str], num_processes: int | None = None, accelerate_config: str | None = None) -> int:
+    """Run ``plait <argv>`` on ``num_processes`` processes and wait; returns the exit status."""
+    command, env = launch_command(argv, num_processes, accelerate_config)
+    print(f"plait: {shlex.join(command)}", file=sys.stderr)
+    return subprocess.run(command, env=env).returncode
