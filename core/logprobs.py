@@ -19,7 +19,7 @@ than storing them. Peak logits memory is O(chunk_size · V) instead of O(B · T 
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 import torch
@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .errors import PlaitError
 
-__all__ = ["TokenLogprobs", "token_logprobs", "default_chunk_size"]
+__all__ = ["TokenLogprobs", "compare_distributions", "default_chunk_size", "token_logprobs"]
 
 # fp32 bytes of one chunk's logits; a few temporaries of this size live at once.
 LOGITS_BUDGET_BYTES = 128 * 2**20
@@ -82,21 +82,8 @@ def token_logprobs(
     through the model's own forward: the same values, for models whose output layer cannot be
     split off. ``model_kwargs`` go to the model's forward unchanged.
     """
-    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and 0 < temperature < float("inf")):
-        raise PlaitError(f"temperature={temperature!r} must be a number > 0; use 1.0 for the model's own distribution")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise PlaitError(f"chunk_size={chunk_size!r} must be an integer >= 1 (positions per chunk) or None for the default")
-    if input_ids.dim() != 2:
-        raise PlaitError(f"input_ids has shape {tuple(input_ids.shape)}; pass a [batch, seq] tensor of token ids")
-
-    if position_ids is not None and attention_mask is not None and bool(attention_mask.all()):
-        # transformers only detects packed documents from position_ids when no mask is given.
-        attention_mask = None
-    forward_kwargs = {"use_cache": False, **model_kwargs}
-    if attention_mask is not None:
-        forward_kwargs["attention_mask"] = attention_mask
-    if position_ids is not None:
-        forward_kwargs["position_ids"] = position_ids
+    _check_arguments(temperature, chunk_size, input_ids)
+    forward_kwargs = _forward_kwargs(attention_mask, position_ids, model_kwargs)
 
     B, T = input_ids.shape
     # Position t predicts token t+1; the last position of each row predicts nothing (target 0).
@@ -123,6 +110,122 @@ def token_logprobs(
         argmax=next(aligned).long() if with_argmax else None,
         collision=next(aligned) if with_collision else None,
     )
+
+
+def compare_distributions(
+    model: torch.nn.Module,
+    other: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    fn: Callable[[Tensor, Tensor], Tensor | tuple[Tensor, ...]],
+    select: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    chunked: bool = True,
+    position_ids: Tensor | None = None,
+    **model_kwargs,
+) -> tuple[Tensor, ...]:
+    """``fn`` applied to two models' next-token distributions at the same positions, chunk by chunk.
+
+    Both causal LMs read ``input_ids`` [B, T]; at every selected position ``fn`` receives
+    ``(logp [n, V], other_logp [n, V])``: the log-softmax of each model's logits divided by
+    ``temperature``, for ``n`` ≤ ``chunk_size`` positions at a time, and returns one value per
+    position ``[n]`` (or a tuple of such). Gradients flow into ``model`` only: ``other`` runs
+    without gradient and its log-probs are constants (a teacher, a frozen reference).
+
+    Results are aligned to ``input_ids`` like :func:`token_logprobs`: ``out[:, t]`` comes from the
+    distributions that predict token t, and is 0 where ``select`` [B, T] is False (and at t = 0,
+    which nothing predicts). Only selected positions are projected at all.
+
+    By default neither model's [B, T, V] logits are materialised: each model runs once through
+    the object passed in (wrappers and adapters see the forward), its final hidden states are
+    captured at the output layer, and each chunk's two projections, log-softmaxes and ``fn`` run
+    under activation checkpointing, so peak logits memory is O(chunk_size · V) for both models
+    together. The hidden sizes may differ; the vocabularies must match. ``chunked=False``
+    computes full logits through both models' own forwards, for comparison.
+    """
+    _check_arguments(temperature, chunk_size, input_ids)
+    forward_kwargs = _forward_kwargs(attention_mask, position_ids, model_kwargs)
+    B, T = input_ids.shape
+    wanted = torch.ones_like(input_ids, dtype=torch.bool) if select is None else select.to(input_ids.device).bool()
+    if wanted.shape != input_ids.shape:
+        raise PlaitError(f"select has shape {tuple(wanted.shape)}; pass a [batch, seq] mask like input_ids {(B, T)}")
+    # Position p predicts token p + 1: the hidden states to project are one column to the left.
+    rows = torch.cat([wanted[:, 1:], torch.zeros_like(wanted[:, :1])], dim=1)
+    if position_ids is not None and position_ids.dim() == 2:  # packed: a document's first token has no predictor
+        rows &= torch.cat([position_ids[:, 1:] != 0, torch.zeros_like(wanted[:, :1])], dim=1)
+
+    def tempered(logits: Tensor) -> Tensor:
+        logits = logits.float()
+        return (logits / temperature if temperature != 1.0 else logits).log_softmax(-1)
+
+    if chunked:
+        hidden, head, post, output = _final_hidden(model, input_ids, forward_kwargs)
+        with torch.no_grad():
+            other_hidden, other_head, other_post, _ = _final_hidden(other, input_ids, forward_kwargs)
+        _check_same_width(_width(head), _width(other_head))
+        mine, theirs = hidden[rows], other_hidden[rows]
+
+        def piece(h: Tensor, g: Tensor) -> tuple[Tensor, ...]:
+            logp = tempered(post(head(h)))
+            with torch.no_grad():
+                other_logp = tempered(other_post(other_head(g)))
+            _check_same_width(logp.shape[-1], other_logp.shape[-1])
+            out = fn(logp, other_logp)
+            return out if isinstance(out, tuple) else (out,)
+
+        size = chunk_size or default_chunk_size(_width(head) or output.logits.shape[-1])
+        needs_grad = torch.is_grad_enabled() and (mine.requires_grad or any(p.requires_grad for p in head.parameters()))
+        pieces = [checkpoint(piece, h, g, use_reentrant=False) if needs_grad else piece(h, g)
+                  for h, g in zip(mine.split(size), theirs.split(size))]
+    else:
+        logits = model(input_ids=input_ids, **forward_kwargs).logits
+        with torch.no_grad():
+            other_logits = other(input_ids=input_ids, **forward_kwargs).logits
+        _check_same_width(logits.shape[-1], other_logits.shape[-1])
+        out = fn(tempered(logits[rows]), tempered(other_logits[rows]))
+        pieces = [out if isinstance(out, tuple) else (out,)]
+
+    def align(values: Tensor) -> Tensor:
+        full = values.new_zeros(B, T)
+        full[rows] = values  # the value for hidden position p belongs to token p + 1
+        return torch.cat([full.new_zeros(B, 1), full[:, :-1]], dim=1)
+
+    return tuple(align(torch.cat(parts)) for parts in zip(*pieces))
+
+
+def _width(head: torch.nn.Module) -> int | None:
+    """Vocabulary size an output layer projects to, when it says."""
+    width = getattr(head, "out_features", None) or getattr(head, "num_embeddings", None)
+    return int(width) if isinstance(width, int) else None
+
+
+def _check_same_width(mine: int | None, theirs: int | None) -> None:
+    if mine is not None and theirs is not None and mine != theirs:
+        raise PlaitError(f"the second model predicts over {theirs} tokens but the first over {mine}; distributions "
+                         "are only comparable over the same vocabulary (use models that share a tokenizer)")
+
+
+def _check_arguments(temperature, chunk_size, input_ids: Tensor) -> None:
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and 0 < temperature < float("inf")):
+        raise PlaitError(f"temperature={temperature!r} must be a number > 0; use 1.0 for the model's own distribution")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise PlaitError(f"chunk_size={chunk_size!r} must be an integer >= 1 (positions per chunk) or None for the default")
+    if input_ids.dim() != 2:
+        raise PlaitError(f"input_ids has shape {tuple(input_ids.shape)}; pass a [batch, seq] tensor of token ids")
+
+
+def _forward_kwargs(attention_mask, position_ids, model_kwargs) -> dict:
+    if position_ids is not None and attention_mask is not None and bool(attention_mask.all()):
+        # transformers only detects packed documents from position_ids when no mask is given.
+        attention_mask = None
+    forward_kwargs = {"use_cache": False, **model_kwargs}
+    if attention_mask is not None:
+        forward_kwargs["attention_mask"] = attention_mask
+    if position_ids is not None:
+        forward_kwargs["position_ids"] = position_ids
+    return forward_kwargs
 
 
 @attrs.frozen
@@ -155,7 +258,10 @@ class _Stats:
 _checked_heads: weakref.WeakSet = weakref.WeakSet()
 
 
-def _chunked(model, input_ids, forward_kwargs, targets, stats: _Stats, chunk_size) -> tuple[Tensor, ...]:
+def _final_hidden(model, input_ids, forward_kwargs) -> tuple[Tensor, torch.nn.Module, Callable[[Tensor], Tensor], Any]:
+    """Run ``model`` once and return the hidden states its output layer projects ``[B, T, H]``,
+    that layer, what follows it (see :func:`_post_head`) and the model's output (logits of one
+    position per row)."""
     inner = extract_model_from_parallel(model)  # unwraps DDP/compile; PeftModel forwards attributes
     head = inner.get_output_embeddings()
     if head is None:
@@ -185,7 +291,11 @@ def _chunked(model, input_ids, forward_kwargs, targets, stats: _Stats, chunk_siz
     hidden, rng = captured[0]
     if rng is not None:
         _check_head(head, post, hidden, output.logits, rng)
+    return hidden, head, post, output
 
+
+def _chunked(model, input_ids, forward_kwargs, targets, stats: _Stats, chunk_size) -> tuple[Tensor, ...]:
+    hidden, head, post, output = _final_hidden(model, input_ids, forward_kwargs)
     flat = hidden.reshape(-1, hidden.shape[-1])
     size = chunk_size or default_chunk_size(getattr(head, "out_features", None) or output.logits.shape[-1])
 
