@@ -1,0 +1,178 @@
+"""On-policy distillation: the student samples, the teacher grades every token.
+
+Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from Self-Generated
+Mistakes" (GKD), with the student's own samples only (λ = 1). For each prompt the student
+generates a completion through the configured generation backend; then, at every completion
+token, a ``distill.*`` loss (``distill.jsd`` by default: β = 0 forward KL, 1 reverse KL, between
+the generalised JSD) compares the student's and the teacher's next-token distributions at the
+same temperature. The loss is summed over completion tokens and divided by their count over the
+whole optimizer step (every micro-batch and process), so gradient accumulation is exact.
+
+Neither model's [B, T, V] logits are formed: :func:`plait.logprobs.compare_distributions` runs
+both models once, captures their final hidden states and projects a chunk of positions at a time
+through each model's own output layer. The teacher may be larger (another hidden size) but must
+share the student's vocabulary; that is checked when the trainer is built.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from transformers import AutoTokenizer, PreTrainedModel
+
+from plait import Method, PlaitError, hookimpl
+from plait.batches import TokenDistributions, masked_mean
+from plait.config import method_config
+from plait.logprobs import compare_distributions
+from plait.models import load_model
+from plait.objective import Objective, normalise_loss_specs
+from plait.params import in_range, positive
+
+from ._onpolicy import OnPolicyParams, OnPolicyTrainer, disable_dropout, pack
+
+
+def _positive_int(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name}={value!r} must be an integer >= 1")
+
+
+@attrs.define
+class DistillParams(OnPolicyParams):
+    """On-policy distillation's knobs; names follow TRL's GKD/distillation configs.
+
+    ``beta`` interpolates the divergence (0 forward KL, 1 reverse KL, between the generalised
+    JSD); ``temperature`` applies to sampling and to both models' distributions in the loss.
+    ``loss`` composes ``distill.*`` losses as ``[{name, weight, **params}]`` (``beta`` is shared
+    into every loss that takes it).
+    """
+
+    teacher_model_name_or_path: str | None = None
+    teacher_model_init_kwargs: dict | None = None
+    beta: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0))
+    temperature: float = attrs.field(default=1.0, validator=positive)
+    max_completion_length: int = attrs.field(default=512, validator=_positive_int)
+    loss: list | None = None
+
+    def __attrs_post_init__(self) -> None:
+        self.loss_specs()  # malformed loss lists fail now; names are resolved by the trainer
+
+    def loss_specs(self) -> list[dict]:
+        return normalise_loss_specs(self.loss if self.loss is not None else "jsd", field="loss")
+
+
+DistillConfig = method_config(
+    "DistillConfig", DistillParams,
+    defaults={"learning_rate": 1e-6, "logging_steps": 10, "remove_unused_columns": False},
+)
+
+
+class DistillTrainer(OnPolicyTrainer):
+    """On-policy distillation from a teacher with composable ``distill.*`` divergences."""
+
+    method = "distill"
+    config_class = DistillConfig
+
+    def __init__(self, model, teacher_model: str | PreTrainedModel | None = None, args=None, **kwargs):
+        self._teacher_spec = teacher_model
+        super().__init__(model, args=args, **kwargs)
+
+    def validate(self, args) -> None:
+        super().validate(args)
+        p = args.params
+        self.objective = Objective.build(p.loss_specs(), self.plugins.losses, family="distill",
+                                         consumes=TokenDistributions, shared={"beta": p.beta})
+        given = getattr(self, "_teacher_spec", None)  # validate() may run on a bare instance (recipe checks)
+        if given is not None and p.teacher_model_name_or_path is not None:
+            raise PlaitError("the teacher is given both as teacher_model and as teacher_model_name_or_path; give it once")
+        if given is None and p.teacher_model_name_or_path is None:
+            raise PlaitError("DistillTrainer needs a teacher: pass teacher_model= (a model or path) or set "
+                             "teacher_model_name_or_path in the config")
+
+    def rollout_plan(self, args) -> tuple[int, int]:
+        return args.gradient_accumulation_steps, 1  # one rollout per optimizer step, used once
+
+    def sampling_params(self):
+        p = self.args.params
+        return p.sampling(p.max_completion_length, p.temperature)
+
+    def before_peft(self, model, args, **kwargs):
+        model = super().before_peft(model, args, **kwargs)
+        p = args.params
+        spec = self._teacher_spec if self._teacher_spec is not None else p.teacher_model_name_or_path
+        teacher = load_model(spec, p.teacher_model_init_kwargs, field="teacher_model")
+        mine, theirs = model.config.get_text_config().vocab_size, teacher.config.get_text_config().vocab_size
+        if mine != theirs:
+            raise PlaitError(f"teacher_model has vocab_size {theirs} but the student has {mine}; distillation compares "
+                             "distributions token by token, so the teacher must share the student's tokenizer")
+        teacher.eval()
+        teacher.requires_grad_(False)
+        if p.disable_dropout:
+            disable_dropout(teacher)
+        self.teacher = teacher
+        return model
+
+    def after_init(self) -> None:
+        super().after_init()
+        self._check_same_tokenizer()
+        self.teacher = self.accelerator.prepare_model(self.teacher, evaluation_mode=True)
+        # Each micro-batch's loss is already divided by the optimizer step's token count.
+        self.loss_is_scaled_for_ga = True
+
+    def _check_same_tokenizer(self) -> None:
+        """Equal vocabulary sizes can hide different tokenisations: compare the token tables too."""
+        source = getattr(self.teacher.config, "_name_or_path", None)
+        try:
+            theirs = AutoTokenizer.from_pretrained(source).get_vocab() if source else None
+        except (OSError, ValueError):
+            theirs = None  # no tokenizer saved with the teacher: the vocabulary sizes were checked
+        mine = getattr(self.processing_class, "tokenizer", self.processing_class).get_vocab()
+        if theirs is not None and theirs != mine:
+            differ = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda item: item[1])[:3]
+            raise PlaitError(f"teacher_model {source!r} has a different tokenizer than the student (e.g. "
+                             f"{differ}); distillation compares distributions token by token, so the teacher must "
+                             "share the student's tokenizer")
+
+    # -- one rollout --------------------------------------------------------------------------
+    @torch.no_grad()
+    def rollout(self, inputs: dict) -> dict:
+        prompt_ids, generations = self.sample(inputs)
+        batch = pack(prompt_ids, generations.completion_ids, self.pad_id(), self.accelerator.device)
+        tokens = batch["completion_mask"].sum()
+        if self.model.training:  # normalise by the tokens of the whole optimizer step, over every process
+            tokens = self.accelerator.gather(tokens.reshape(1)).sum().float() / self.accelerator.num_processes
+        batch["num_items"] = tokens.float().clamp(min=1.0)
+        self.record_lengths(batch["completion_mask"], torch.tensor(generations.finished, device=tokens.device))
+        prompts, _ = self.completion_texts(inputs, generations)
+        self.keep_completions(prompts, generations.texts)
+        return batch
+
+    # -- the loss -------------------------------------------------------------------------------
+    def per_position(self, logps: torch.Tensor, teacher_logps: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Weighted sum of the composed losses at each position, each part, and the student's entropy."""
+        batch = TokenDistributions(logps, teacher_logps)
+        parts = [term(batch) for term in self.objective.terms]
+        total = sum(term.weight * part for term, part in zip(self.objective.terms, parts))
+        entropy = -(logps.exp() * logps).sum(-1).detach()
+        return (total, *[part.detach() for part in parts], entropy)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        width, completion_mask = inputs["prompt_length"], inputs["completion_mask"]
+        select = torch.zeros_like(inputs["input_ids"], dtype=torch.bool)
+        select[:, width:] = completion_mask.bool()
+        total, *parts, entropy = compare_distributions(
+            model, self.teacher, inputs["input_ids"], inputs["attention_mask"], fn=self.per_position, select=select,
+            temperature=self.args.params.temperature, chunked=self.args.chunked_logprobs,
+        )
+        loss = total.sum() / inputs["num_items"]
+        metrics = {"entropy": masked_mean(entropy, select), "divergence": masked_mean(total.detach(), select)}
+        if len(parts) > 1:
+            metrics.update({f"loss/{term.name}": masked_mean(part, select)
+                            for term, part in zip(self.objective.terms, parts)})
+        self.record(metrics)
+        return (loss, None) if return_outputs else loss
+
+
+@hookimpl
+def register_methods(register):
+    register("method.distill", Method(config=DistillConfig, trainer=DistillTrainer, loss_family="distill",
+                                      summary="On-policy distillation from a teacher with distill.* divergences (GKD)"))
