@@ -1,0 +1,40 @@
+"""Every recipe in examples/recipes/ stays valid: it parses, its method is installed, its Config
+builds, its component names resolve, its data files exist, and its header shows how to run it.
+No model is loaded (the tiny recipes also run end to end in test_run.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from plait import make_plugins
+from plait.run import check_recipe, load_recipe
+
+RECIPES = Path(__file__).resolve().parents[1] / "examples" / "recipes"
+ALL = sorted(RECIPES.glob("*.yaml"))
+
+
+def test_each_method_has_a_tiny_and_a_smollm2_recipe():
+    names = {p.stem for p in ALL}
+    methods = {name.rsplit("_", 1)[0] for name in names}
+    assert {"sft", "dpo"} <= methods
+    for method in methods:
+        assert {f"{method}_tiny", f"{method}_smollm2"} <= names, method
+
+
+@pytest.fixture(scope="module")
+def plugins():
+    return make_plugins()
+
+
+@pytest.mark.parametrize("path", ALL, ids=[p.name for p in ALL])
+def test_recipe_is_valid(path, plugins):
+    method = path.stem.rsplit("_", 1)[0]
+    assert method in {c.name.split(".", 1)[1] for c in plugins.methods}, f"{path.name}: method {method!r} not installed"
+    config = load_recipe(path, method=method)
+    args = check_recipe(config, plugins)
+    assert args.output_dir.startswith("runs/")  # runs/ is git-ignored
+    assert re.search(rf"plait {method} --config examples/recipes/{path.name}\b", path.read_text()), \
+        "the header should show the command that runs it"
