@@ -1,0 +1,538 @@
+"""PPO for language models: a policy, a frozen reference, a reward, and a learned value model.
+
+Ouyang et al. 2022 ("InstructGPT", §3.5) and Ziegler et al. 2019 ("Fine-Tuning Language Models
+from Human Preferences"), with the clipped objective of Schulman et al. 2017. Each rollout:
+
+1. the policy samples one completion per prompt through the configured generation backend;
+2. the reward functions (a reward-model path or sequence classifier, or any registered reward,
+   resolved by :mod:`plait.scoring`) score it; ``missing_eos_penalty`` is subtracted from
+   completions that never produced EOS;
+3. per token, the KL to the reference (k1: log π − log π_ref, or k3) is a penalty:
+   r_t = −kl_coef·KL_t, plus the score on the last completion token (optionally whitened);
+4. a token-level advantage estimator (``advantage.gae`` by default) turns rewards and the value
+   model's estimates into advantages; returns R = A + V; advantages are whitened;
+5. ``num_ppo_epochs`` passes over ``num_mini_batches`` minibatches (each one optimizer step of
+   ``gradient_accumulation_steps`` micro-batches) minimise ``ppo.*`` policy losses +
+   ``vf_coef`` × value losses, composed by name.
+
+The value model is a backbone with a scalar head applied at every position (any
+``…ForSequenceClassification`` with ``num_labels=1``), initialised from the reward model when
+that is a model, else from the policy's checkpoint with a new head. Policy and value model are
+one module to the transformers Trainer (one optimizer, one DDP wrapper); checkpoints hold the
+policy as usual and the value model under ``value_model/``. An adaptive KL coefficient is a
+``TrainerCallback`` contributed through the ``trainer_callbacks`` lifecycle hook.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from typing import Any
+
+import attrs
+import torch
+from accelerate.utils import extract_model_from_parallel
+from safetensors.torch import load_file
+from torch import Tensor, nn
+from transformers import AutoModelForSequenceClassification, PreTrainedModel, TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from plait import Method, PlaitError, hookimpl
+from plait.batches import PolicyTokens, Rollout, ValueTokens, masked_mean
+from plait.config import method_config
+from plait.logprobs import token_logprobs
+from plait.models import Reference, load_model
+from plait.objective import Objective, normalise_loss_specs
+from plait.params import in_range, non_negative, positive
+from plait.scoring import compute_rewards, resolve_advantage_estimator, resolve_reward_funcs, reward_weights
+
+from ._onpolicy import OnPolicyParams, OnPolicyTrainer, disable_dropout, pack
+
+KL_ESTIMATORS = ("k1", "k3")
+VALUE_FOLDER = "value_model"
+
+
+def _optional(validator):
+    return attrs.validators.optional(validator)
+
+
+def _int_at_least(low: int):
+    def check(instance, attribute, value) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{attribute.name}={value!r} must be an integer >= {low}")
+
+    return check
+
+
+def _one_of(options):
+    def check(instance, attribute, value) -> None:
+        if value not in options:
+            raise ValueError(f"{attribute.name}={value!r} must be one of {', '.join(options)}")
+
+    return check
+
+
+@attrs.define
+class PPOParams(OnPolicyParams):
+    """PPO's knobs; names and defaults follow TRL's PPOConfig.
+
+    The reward is ``reward_funcs`` (registered names, callables, reward-model paths; or the
+    trainer's ``reward_model`` argument) or TRL's ``reward_model_path``. ``loss`` and
+    ``value_loss`` compose ``ppo.*`` policy and value losses; ``advantage_estimator`` names a
+    token-level estimator (``gae`` with ``gamma``/``lam`` by default). ``target_kl`` turns on the
+    adaptive KL controller (Ziegler et al. 2019) with horizon ``kl_horizon``.
+    """
+
+    reward_funcs: Any = None
+    reward_model_path: str | None = None
+    reward_weights: list | None = None
+    reward_error_policy: str = attrs.field(default="fail", validator=_one_of(("fail", "none")))
+    value_model_path: str | None = None
+    ref_model_init_kwargs: dict | None = None
+    total_episodes: int | None = attrs.field(default=None, validator=_optional(_int_at_least(1)))
+    num_ppo_epochs: int = attrs.field(default=4, validator=_int_at_least(1))
+    num_mini_batches: int = attrs.field(default=1, validator=_int_at_least(1))
+    response_length: int = attrs.field(default=53, validator=_int_at_least(1))
+    temperature: float = attrs.field(default=0.7, validator=positive)
+    kl_coef: float = attrs.field(default=0.05, validator=non_negative)
+    kl_estimator: str = attrs.field(default="k1", validator=_one_of(KL_ESTIMATORS))
+    target_kl: float | None = attrs.field(default=None, validator=_optional(positive))
+    kl_horizon: int = attrs.field(default=10000, validator=_int_at_least(1))
+    cliprange: float = attrs.field(default=0.2, validator=positive)
+    cliprange_value: float = attrs.field(default=0.2, validator=positive)
+    vf_coef: float = attrs.field(default=0.1, validator=non_negative)
+    gamma: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0))
+    lam: float = attrs.field(default=0.95, validator=in_range(0.0, 1.0))
+    whiten_rewards: bool = False
+    missing_eos_penalty: float | None = attrs.field(default=None, validator=_optional(non_negative))
+    local_rollout_forward_batch_size: int = attrs.field(default=64, validator=_int_at_least(1))
+    advantage_estimator: str | dict | None = None
+    loss: list | None = None
+    value_loss: list | None = None
+
+    def __attrs_post_init__(self) -> None:
+        self.policy_loss_specs(), self.value_loss_specs()  # malformed lists fail now
+
+    def policy_loss_specs(self) -> list[dict]:
+        return normalise_loss_specs(self.loss if self.loss is not None else "policy", field="loss")
+
+    def value_loss_specs(self) -> list[dict]:
+        return normalise_loss_specs(self.value_loss if self.value_loss is not None else "value", field="value_loss")
+
+    def advantage_spec(self) -> str | dict:
+        if self.advantage_estimator is not None:
+            return self.advantage_estimator
+        return {"name": "advantage.gae", "gamma": self.gamma, "lam": self.lam}
+
+
+PPOConfig = method_config(
+    "PPOConfig", PPOParams,
+    defaults={"learning_rate": 3e-6, "logging_steps": 10, "remove_unused_columns": False},
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# The value model and the module the Trainer optimises
+# ---------------------------------------------------------------------------------------------
+
+SCALAR_HEADS = ("score", "classifier", "v_head")
+
+
+def value_head(model: nn.Module, field: str = "value_model") -> nn.Module:
+    """The scalar head of a ``…ForSequenceClassification`` with one label, or a one-line error."""
+    heads = [getattr(model, name, None) for name in SCALAR_HEADS]
+    head = next((h for h in heads if isinstance(h, nn.Linear) and h.out_features == 1), None)
+    prefix = getattr(model, "base_model_prefix", "")
+    if head is None or not prefix or getattr(model, prefix, None) is None:
+        raise PlaitError(f"{field} is a {type(model).__name__} without a scalar head; pass a …ForSequenceClassification "
+                         "with num_labels=1 (or its path: AutoModelForSequenceClassification.from_pretrained(path, "
+                         "num_labels=1))")
+    return head
+
+
+def token_values(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """V(x_{≤t−1}) aligned to token t, ``[B, T]`` float32 (0 at t = 0): the value of the state
+    in which token t was chosen, the same alignment as :func:`plait.logprobs.token_logprobs`."""
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    values = value_head(model)(hidden).squeeze(-1).float()
+    return torch.cat([values.new_zeros(values.shape[0], 1), values[:, :-1]], dim=1)
+
+
+class PolicyAndValue(nn.Module):
+    """Policy and value model as one trained module: one optimizer, one DDP wrapper, one forward.
+
+    The forward returns the policy's output with ``values`` [B, T] added; it exposes the policy's
+    output layer and config so :func:`plait.logprobs.token_logprobs` treats it as the policy.
+    """
+
+    def __init__(self, policy: nn.Module, value_model: nn.Module):
+        super().__init__()
+        self.policy = policy
+        self.value_model = value_model
+
+    @property
+    def config(self):
+        return self.policy.config
+
+    def get_output_embeddings(self):
+        return self.policy.get_output_embeddings()
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        self.policy.gradient_checkpointing_enable(**kwargs)
+        self.value_model.gradient_checkpointing_enable(**kwargs)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs):
+        output = self.policy(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        output["values"] = token_values(self.value_model, input_ids, attention_mask)
+        return output
+
+
+def _load_value_model(spec: str | PreTrainedModel, init_kwargs: dict | None) -> PreTrainedModel:
+    if isinstance(spec, str):
+        return load_model(spec, {"num_labels": 1, **(init_kwargs or {})}, auto_class=AutoModelForSequenceClassification,
+                          field="value_model")
+    value_head(spec)
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------
+# KL control
+# ---------------------------------------------------------------------------------------------
+
+
+class KLController(TrainerCallback):
+    """The KL penalty coefficient: fixed here; subclasses adapt it between rollouts.
+
+    The trainer calls :meth:`observe` with each rollout's mean sequence KL. A controller is a
+    ``TrainerCallback`` so a plugin can contribute one through the ``trainer_callbacks`` hook;
+    the trainer uses the one it finds among its callbacks, else a fixed ``kl_coef``.
+    """
+
+    def __init__(self, kl_coef: float):
+        self.kl_coef = float(kl_coef)
+
+    def observe(self, kl: float, episodes: int) -> None:
+        """A rollout of ``episodes`` completions had mean KL ``kl`` (nats per sequence)."""
+
+
+class AdaptiveKLController(KLController, ExportableState):
+    """Ziegler et al. 2019, §2.2: β ← β·(1 + clip(KL/KL_target − 1, −0.2, 0.2)·n/horizon).
+
+    n is the number of episodes since the last update. The update is applied at the end of the
+    next optimizer step, so the coefficient changes between rollouts, never inside one.
+    """
+
+    def __init__(self, kl_coef: float, target: float, horizon: int):
+        super().__init__(kl_coef)
+        self.target, self.horizon = float(target), int(horizon)
+        self._pending: tuple[float, int] | None = None
+
+    def observe(self, kl: float, episodes: int) -> None:
+        self._pending = (kl, episodes)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._pending is not None:
+            kl, episodes = self._pending
+            error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+            self.kl_coef *= 1.0 + error * episodes / self.horizon
+            self._pending = None
+
+    def state(self) -> dict:
+        return {"args": {"kl_coef": self.kl_coef, "target": self.target, "horizon": self.horizon}, "attributes": {}}
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------
+
+
+def whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+    """(x − mean)/std over the masked entries (unbiased variance); the mean is kept when not ``shift_mean``."""
+    mask = mask.to(values.dtype)
+    count = mask.sum()
+    mean = (values * mask).sum() / count.clamp(min=1.0)
+    variance = (((values - mean) ** 2) * mask).sum() / (count - 1).clamp(min=1.0)
+    whitened = (values - mean) * torch.rsqrt(variance + 1e-8)
+    return (whitened if shift_mean else whitened + mean) * mask
+
+
+class PPOTrainer(OnPolicyTrainer):
+    """PPO with a value model, GAE (or any token-level estimator) and ``ppo.*`` losses composed by name."""
+
+    method = "ppo"
+    config_class = PPOConfig
+
+    def __init__(self, model, ref_model=None, reward_model=None, value_model=None, args=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_class=None, peft_config=None,
+                 callbacks=None, optimizers=(None, None), plugins=None):
+        self._reward_spec, self._reward_processing_class = reward_model, reward_processing_class
+        super().__init__(model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, peft_config=peft_config, callbacks=callbacks,
+                         optimizers=optimizers, plugins=plugins, ref_model=ref_model, value_model=value_model)
+
+    # -- construction -------------------------------------------------------------------------
+    def rollout_plan(self, args) -> tuple[int, int]:
+        p = args.params
+        return args.gradient_accumulation_steps * p.num_mini_batches, p.num_ppo_epochs
+
+    def validate(self, args) -> None:
+        super().validate(args)
+        p = args.params
+        self.policy_objective = Objective.build(p.policy_loss_specs(), self.plugins.losses, family="ppo",
+                                                consumes=PolicyTokens, shared={"cliprange": p.cliprange})
+        self.value_objective = Objective.build(p.value_loss_specs(), self.plugins.losses, family="ppo",
+                                               consumes=ValueTokens, shared={"cliprange_value": p.cliprange_value},
+                                               field="value_loss")
+        self.estimator = resolve_advantage_estimator(p.advantage_spec(), self.plugins, field="advantage_estimator")
+        if not self.estimator.component.options.get("token_level", False):
+            raise PlaitError(f"advantage_estimator {self.estimator.name!r} gives one advantage per sequence; PPO needs a "
+                             "token-level estimator such as advantage.gae")
+        # validate() may run on a bare instance (recipe checks): arguments of __init__ may be absent.
+        given = getattr(self, "_reward_spec", None)
+        sources = {name: value for name, value in (("reward_model", given), ("reward_funcs", p.reward_funcs),
+                                                   ("reward_model_path", p.reward_model_path)) if value is not None}
+        if len(sources) != 1:
+            got = " and ".join(sources) if sources else "none"
+            raise PlaitError(f"PPO needs exactly one reward source (reward_model=, reward_funcs or reward_model_path); "
+                             f"got {got}")
+        (self._reward_field, spec), = sources.items()
+        entries = list(spec) if isinstance(spec, (list, tuple)) else [spec]
+        self.reward_funcs = resolve_reward_funcs(entries, self.plugins, getattr(self, "_reward_processing_class", None),
+                                                 field=self._reward_field)
+        self.reward_weights = reward_weights(self.reward_funcs, p.reward_weights)
+        self._reward_entries = entries
+        self._check_episodes(args)
+
+    def _check_episodes(self, args) -> None:
+        """total_episodes (prompts over the run) sets max_steps; it must cover one rollout batch."""
+        p = args.params
+        batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * p.num_mini_batches * args.world_size
+        self._max_steps = None
+        if p.total_episodes is None:
+            return
+        if p.total_episodes < batch:
+            raise PlaitError(
+                f"total_episodes={p.total_episodes} is smaller than one rollout batch of {batch} prompts "
+                f"(per_device_train_batch_size {args.per_device_train_batch_size} × gradient_accumulation_steps "
+                f"{args.gradient_accumulation_steps} × num_mini_batches {p.num_mini_batches} × {args.world_size} "
+                f"processes); raise total_episodes to at least {batch} or make the batch smaller")
+        self._max_steps = math.ceil(p.total_episodes / batch) * p.num_ppo_epochs * p.num_mini_batches
+        if args.max_steps > 0 and args.max_steps != self._max_steps:
+            raise PlaitError(f"total_episodes={p.total_episodes} and max_steps={args.max_steps} both set the length of "
+                             "training; give only one")
+
+    def before_peft(self, model, args, ref_model=None, value_model=None):
+        p = args.params
+        if p.kl_coef == 0 and p.target_kl is None and ref_model is None:
+            self.reference = Reference.none()  # no KL penalty: no reference at all
+        elif self.peft_config is not None and ref_model is None:
+            self.reference = Reference.adapters_disabled()  # the policy with adapters off: no second copy
+        else:
+            self.reference = Reference.for_policy(model, ref_model, p.ref_model_init_kwargs)
+        self.value_model = _load_value_model(self._value_source(model, value_model, p), p.model_init_kwargs)
+        if self.value_model.config.get_text_config().vocab_size != model.config.get_text_config().vocab_size:
+            raise PlaitError("value_model has a different vocabulary than the policy; it reads the policy's tokens, so "
+                             "it must share the policy's tokenizer")
+        if p.disable_dropout:
+            disable_dropout(self.value_model)
+        return model
+
+    def _value_source(self, policy, value_model, p):
+        """value_model=, value_model_path, the reward model (a copy), or the policy's checkpoint with a new head."""
+        if value_model is not None:
+            return value_model
+        if p.value_model_path is not None:
+            return p.value_model_path
+        if len(self._reward_entries) == 1:
+            entry = self._reward_entries[0]
+            if isinstance(entry, str) and os.path.isdir(entry):
+                return entry
+            if isinstance(entry, PreTrainedModel) and type(entry).__name__.endswith("ForSequenceClassification"):
+                return copy.deepcopy(entry)
+        source = policy.config._name_or_path
+        if not source or not os.path.isdir(source):
+            raise PlaitError("no value model: pass value_model= (a …ForSequenceClassification with num_labels=1) or "
+                             "value_model_path, or load the policy from a folder so one can be initialised from it")
+        return source
+
+    def after_init(self) -> None:
+        super().after_init()
+        p = self.args.params
+        self.value_model.to(self.args.device)
+        self.model = self.model_wrapped = PolicyAndValue(self._policy, self.value_model)
+        if self.reference.model is not None:
+            self.reference.model = self.accelerator.prepare_model(self.reference.model, evaluation_mode=True)
+        controllers = [c for c in self.callback_handler.callbacks if isinstance(c, KLController)]
+        if len(controllers) > 1:
+            raise PlaitError(f"{len(controllers)} KL controllers are attached ({[type(c).__name__ for c in controllers]}); "
+                             "keep one")
+        self.kl_controller = controllers[0] if controllers else KLController(p.kl_coef)
+        self.loss_is_scaled_for_ga = False  # the losses are means over a micro-batch: the Trainer divides by GA
+        if self._max_steps is not None:
+            self.args.max_steps = self._max_steps
+
+    def sampling_params(self):
+        p = self.args.params
+        return p.sampling(p.response_length, p.temperature)
+
+    # -- one rollout --------------------------------------------------------------------------
+    def _policy_and_values(self, model, batch: dict, rows: slice) -> tuple[Tensor, Tensor, Tensor]:
+        """Completion log-probs, entropies and values of some rows under the policy+value module."""
+        width = batch["prompt_length"]
+        captured: list[Tensor] = []
+        # Under DDP the hook goes on the wrapped module: it sees the one forward that DDP runs.
+        handle = extract_model_from_parallel(model).register_forward_hook(lambda module, args, output: captured.append(output["values"]))
+        try:
+            out = token_logprobs(model, batch["input_ids"][rows], batch["attention_mask"][rows],
+                                 temperature=self.args.params.temperature, with_entropy=True,
+                                 chunked=self.args.chunked_logprobs)
+        finally:
+            handle.remove()
+        return out.logps[:, width:], out.entropy[:, width:], captured[0][:, width:]
+
+    def _reference_logps(self, batch: dict, rows: slice) -> Tensor:
+        width = batch["prompt_length"]
+
+        def logps(model):
+            return token_logprobs(model, batch["input_ids"][rows], batch["attention_mask"][rows],
+                                  temperature=self.args.params.temperature, chunked=self.args.chunked_logprobs).logps
+
+        return self.reference(self._policy, logps)[:, width:]
+
+    @torch.no_grad()
+    def rollout(self, inputs: dict) -> dict:
+        p = self.args.params
+        device = self.accelerator.device
+        prompt_ids, generations = self.sample(inputs)
+        batch = pack(prompt_ids, generations.completion_ids, self.pad_id(), device)
+        mask = batch["completion_mask"].float()
+        n, size = mask.shape[0], p.local_rollout_forward_batch_size
+        parts = {"logps": [], "values": [], "ref": []}
+        with self.compute_loss_context_manager():
+            for start in range(0, n, size):
+                rows = slice(start, start + size)
+                logps, _, values = self._policy_and_values(self.model, batch, rows)
+                parts["logps"].append(logps.float())
+                parts["values"].append(values.float())
+                parts["ref"].append(self._reference_logps(batch, rows).float() if self.reference.available else logps)
+        old_logps, old_values, ref_logps = (torch.cat(parts[k]) * mask for k in ("logps", "values", "ref"))
+
+        prompts, completions = self.completion_texts(inputs, generations)
+        columns = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "prompt")}
+        rewards = compute_rewards(self.reward_funcs, prompts=prompts, completions=completions,
+                                  completion_ids=generations.completion_ids, columns=columns,
+                                  trainer_state=self.state, on_error=p.reward_error_policy).to(device)
+        rollout = Rollout(rewards=rewards, weights=self.reward_weights.to(device), group_size=1)
+        scores = rollout.total_reward.nan_to_num(0.0)  # a completion no reward scored gets 0
+        finished = torch.tensor(generations.finished, device=device)
+        if p.missing_eos_penalty is not None:
+            scores = scores - p.missing_eos_penalty * (~finished).float()
+
+        # Per-token rewards: the KL penalty everywhere, the score on the last completion token.
+        log_ratio = ref_logps - old_logps
+        kl = -log_ratio if p.kl_estimator == "k1" else torch.expm1(log_ratio) - log_ratio
+        kl = kl * mask
+        kl_coef = self.kl_controller.kl_coef
+        non_score = -kl_coef * kl
+        last = (mask.sum(-1).long() - 1).clamp(min=0)
+        token_rewards = non_score.clone()
+        token_rewards[torch.arange(n, device=device), last] += scores * (mask.sum(-1) > 0)
+        if p.whiten_rewards:
+            token_rewards = whiten(token_rewards, mask, shift_mean=False)
+
+        rollout = attrs.evolve(rollout, token_rewards=token_rewards, values=old_values, mask=mask.bool())
+        advantages = self.estimator(rollout).to(device).float() * mask
+        returns = advantages + old_values
+        advantages = whiten(advantages, mask)
+
+        sequence_kl = kl.sum(-1)
+        self.kl_controller.observe(self.accelerator.gather(sequence_kl).mean().item(),
+                                   n * self.accelerator.num_processes)
+        gathered = self.accelerator.gather
+        self.record({
+            "objective/kl": gathered(sequence_kl).mean(),
+            "objective/entropy": gathered(-(old_logps * mask).sum(-1)).mean(),
+            "objective/non_score_reward": gathered(non_score.sum(-1)).mean(),
+            "objective/rlhf_reward": gathered(scores + non_score.sum(-1)).mean(),
+            "objective/scores": gathered(scores).mean(),
+            "objective/kl_coef": kl_coef,
+            "val/num_eos_tokens": gathered(finished.float().sum().reshape(1)).sum(),
+            **{f"rewards/{f.name}/mean": gathered(rewards[:, k]).nanmean() for k, f in enumerate(self.reward_funcs)},
+        })
+        self.record_lengths(batch["completion_mask"], finished)
+        self.keep_completions(prompts, generations.texts, score=scores.tolist())
+        return {**batch, "old_logps": old_logps, "old_values": old_values, "advantages": advantages,
+                "returns": returns}
+
+    # -- the loss ------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        p = self.args.params
+        logps, entropy, values = self._policy_and_values(model, inputs, slice(None))
+        mask = inputs["completion_mask"]
+        policy = PolicyTokens(logps=logps, old_logps=inputs["old_logps"], advantages=inputs["advantages"], mask=mask)
+        critic = ValueTokens(values=values, old_values=inputs["old_values"], returns=inputs["returns"], mask=mask)
+        pg, pg_parts = self.policy_objective(policy, mask=mask)
+        vf, vf_parts = self.value_objective(critic, mask=mask)
+        loss = pg + p.vf_coef * vf
+
+        with torch.no_grad():
+            log_ratio = logps - policy.old_logps
+            ratio = torch.exp(log_ratio)
+            a = policy.advantages
+            clipped = torch.clamp(ratio, 1 - p.cliprange, 1 + p.cliprange)
+            v_clipped = critic.old_values + torch.clamp(values - critic.old_values, -p.cliprange_value,
+                                                        p.cliprange_value)
+            metrics = {
+                "policy/approxkl": 0.5 * masked_mean(log_ratio ** 2, mask),
+                "policy/clipfrac": masked_mean((-a * clipped > -a * ratio).float(), mask),
+                "policy/entropy": masked_mean(entropy, mask),
+                "loss/policy_avg": pg, "loss/value_avg": vf,
+                "val/clipfrac": masked_mean(((v_clipped - critic.returns) ** 2 > (values - critic.returns) ** 2).float(),
+                                            mask),
+                "val/ratio": masked_mean(ratio, mask),
+            }
+            for parts in (pg_parts, vf_parts):
+                if len(parts) > 1:
+                    metrics.update({f"loss/{name}": value for name, value in parts.items()})
+        self.record({k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()})
+        return (loss, None) if return_outputs else loss
+
+    # -- checkpoints: the policy as usual, the value model beside it ---------------------------
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        output_dir = output_dir or self.args.output_dir
+        wrapper, self.model = self.model, self._policy
+        try:
+            super()._save(output_dir)
+        finally:
+            self.model = wrapper
+        if self.args.should_save:
+            self.value_model.save_pretrained(os.path.join(output_dir, VALUE_FOLDER))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        wrapper, self.model = self.model, self._policy  # the Trainer inspects self.model after loading
+        try:
+            super()._load_from_checkpoint(resume_from_checkpoint, model=self._policy)
+        finally:
+            self.model = wrapper
+        path = os.path.join(resume_from_checkpoint, VALUE_FOLDER, "model.safetensors")
+        if not os.path.isfile(path):
+            raise PlaitError(f"checkpoint {resume_from_checkpoint!r} has no {VALUE_FOLDER}/; it was not written by the "
+                             "PPO trainer")
+        self.value_model.load_state_dict(load_file(path))
+
+
+@hookimpl
+def trainer_callbacks(method, args):
+    """With ``target_kl`` set, PPO runs get the adaptive KL controller (Ziegler et al. 2019)."""
+    if method != "ppo" or args.params.target_kl is None:
+        return []
+    p = args.params
+    return [AdaptiveKLController(p.kl_coef, p.target_kl, p.kl_horizon)]
+
+
+@hookimpl
+def register_methods(register):
+    register("method.ppo", Method(config=PPOConfig, trainer=PPOTrainer, loss_family="ppo",
+                                  summary="PPO with a value model, GAE and ppo.* losses (RLHF)"))
