@@ -168,7 +168,9 @@ class OnPolicyTrainer(PlaitTrainer):
         if not self.backend.shares_weights and self._synced_step != self.state.global_step:
             self.backend.load_weights(self.accelerator.unwrap_model(self.policy_module()))
             self._synced_step = self.state.global_step
-        return prompt_ids, self.backend.generate(prompt_ids, self.sampling_params())
+        generations = self.backend.generate(prompt_ids, self.sampling_params())
+        self.backend.sleep()  # the policy trains now: an engine may release its memory (it wakes to generate)
+        return prompt_ids, generations
 
     def pad_id(self) -> int:
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)

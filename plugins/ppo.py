@@ -179,7 +179,11 @@ class PolicyAndValue(nn.Module):
     def get_output_embeddings(self):
         return self.policy.get_output_embeddings()
 
-    def gradient_checkpointing_enable(self, **kwargs) -> None:
+    def activation_checkpointing_enable(self, **kwargs) -> None:
+        self.policy.activation_checkpointing_enable(**kwargs)
+        self.value_model.activation_checkpointing_enable(**kwargs)
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:  # the name transformers < 5.20 calls
         self.policy.gradient_checkpointing_enable(**kwargs)
         self.value_model.gradient_checkpointing_enable(**kwargs)
 
@@ -191,7 +195,7 @@ class PolicyAndValue(nn.Module):
 
 def _load_value_model(spec: str | PreTrainedModel, init_kwargs: dict | None) -> PreTrainedModel:
     if isinstance(spec, str):
-        return load_model(spec, {"num_labels": 1, **(init_kwargs or {})}, auto_class=AutoModelForSequenceClassification,
+        spec = load_model(spec, {"num_labels": 1, **(init_kwargs or {})}, auto_class=AutoModelForSequenceClassification,
                           field="value_model")
     value_head(spec)
     return spec
@@ -366,8 +370,8 @@ class PPOTrainer(OnPolicyTrainer):
             self.reference.model = self.accelerator.prepare_model(self.reference.model, evaluation_mode=True)
         controllers = [c for c in self.callback_handler.callbacks if isinstance(c, KLController)]
         if len(controllers) > 1:
-            raise PlaitError(f"{len(controllers)} KL controllers are attached ({[type(c).__name__ for c in controllers]}); "
-                             "keep one")
+            names = [type(c).__name__ for c in controllers]
+            raise PlaitError(f"{len(controllers)} KL controllers are attached ({names}); keep one")
         self.kl_controller = controllers[0] if controllers else KLController(p.kl_coef)
         self.loss_is_scaled_for_ga = False  # the losses are means over a micro-batch: the Trainer divides by GA
         if self._max_steps is not None:
@@ -383,7 +387,8 @@ class PPOTrainer(OnPolicyTrainer):
         width = batch["prompt_length"]
         captured: list[Tensor] = []
         # Under DDP the hook goes on the wrapped module: it sees the one forward that DDP runs.
-        handle = extract_model_from_parallel(model).register_forward_hook(lambda module, args, output: captured.append(output["values"]))
+        module = extract_model_from_parallel(model)
+        handle = module.register_forward_hook(lambda module, args, output: captured.append(output["values"]))
         try:
             out = token_logprobs(model, batch["input_ids"][rows], batch["attention_mask"][rows],
                                  temperature=self.args.params.temperature, with_entropy=True,
@@ -448,6 +453,8 @@ class PPOTrainer(OnPolicyTrainer):
         advantages = whiten(advantages, mask)
 
         sequence_kl = kl.sum(-1)
+        if self.model.training:
+            self._episodes = getattr(self, "_episodes", 0) + n * self.accelerator.num_processes
         self.kl_controller.observe(self.accelerator.gather(sequence_kl).mean().item(),
                                    n * self.accelerator.num_processes)
         gathered = self.accelerator.gather
@@ -459,6 +466,7 @@ class PPOTrainer(OnPolicyTrainer):
             "objective/scores": gathered(scores).mean(),
             "objective/kl_coef": kl_coef,
             "val/num_eos_tokens": gathered(finished.float().sum().reshape(1)).sum(),
+            "episode": getattr(self, "_episodes", 0),
             **{f"rewards/{f.name}/mean": gathered(rewards[:, k]).nanmean() for k, f in enumerate(self.reward_funcs)},
         })
         self.record_lengths(batch["completion_mask"], finished)

@@ -364,6 +364,20 @@ def test_gradient_accumulation_normalises_by_the_tokens_of_the_whole_step(tmp_pa
         torch.testing.assert_close(updates[0][name], updates[1][name], rtol=1e-4, atol=1e-7)
 
 
+def test_with_lora_only_the_adapters_learn_and_completions_are_logged(tmp_path, capsys):
+    from peft import LoraConfig
+
+    args = config(tmp_path, max_steps=1, log_completions=True, num_completions_to_print=2, learning_rate=1e-2)
+    trainer = DistillTrainer(str(tiny_model_path()), teacher_model=noisy_teacher(), args=args,
+                             train_dataset=prompts(WORDS[:4]), peft_config=LoraConfig(r=4, target_modules="all-linear"))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all("lora_" in n for n in changed)
+    table = capsys.readouterr().out
+    assert "prompt" in table and "completion" in table and "Tell me about the" in table
+
+
 @pytest.fixture(scope="module")
 def other_tokenizer_model(tmp_path_factory):
     """A tiny model whose tokenizer was trained on other text: same vocabulary size, different tokens."""

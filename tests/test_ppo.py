@@ -142,11 +142,13 @@ def first_rollout(trainer) -> dict:
     return trainer.rollout(inputs)
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k3"])
-def test_per_token_rewards_are_the_kl_penalty_plus_the_score_on_the_last_token(tmp_path, estimator):
-    """With γ = λ = 1, GAE's returns are the rewards still to come: R_t = score − β·Σ_{k≥t} KL_k."""
+@pytest.mark.parametrize("estimator, whiten_rewards", [("k1", False), ("k3", False), ("k1", True)])
+def test_per_token_rewards_are_the_kl_penalty_plus_the_score_on_the_last_token(tmp_path, estimator, whiten_rewards):
+    """With γ = λ = 1, GAE's returns are the rewards still to come: R_t = Σ_{k≥t} r_k, where
+    r_k = −β·KL_k plus the score (less the missing-EOS penalty) on the last completion token."""
     kl_coef, penalty = 0.3, 0.25
-    args = config(tmp_path, gamma=1.0, lam=1.0, kl_coef=kl_coef, kl_estimator=estimator, missing_eos_penalty=penalty)
+    args = config(tmp_path, gamma=1.0, lam=1.0, kl_coef=kl_coef, kl_estimator=estimator, missing_eos_penalty=penalty,
+                  whiten_rewards=whiten_rewards)
     trainer = PPOTrainer(str(tiny_model_path()), ref_model=noisy_model(), reward_model=constant_reward, args=args,
                          train_dataset=prompts(0, 8))
     buffer = first_rollout(trainer)
@@ -158,8 +160,12 @@ def test_per_token_rewards_are_the_kl_penalty_plus_the_score_on_the_last_token(t
     r = reference - policy
     kl = (-r if estimator == "k1" else torch.exp(r) - 1 - r) * mask
     finished = ids[:, width:].eq(trainer.processing_class.eos_token_id).any(-1)
-    score = 1.0 - penalty * (~finished).float()
-    expected = (score[:, None] - kl_coef * kl.flip(-1).cumsum(-1).flip(-1)) * mask
+    rewards = -kl_coef * kl
+    last = mask.sum(-1) - 1
+    rewards[torch.arange(len(last)), last] += 1.0 - penalty * (~finished).float()
+    if whiten_rewards:
+        rewards = whiten(rewards, mask, shift_mean=False)
+    expected = rewards.flip(-1).cumsum(-1).flip(-1) * mask
     torch.testing.assert_close(buffer["returns"] * mask, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(buffer["old_logps"], policy * mask, rtol=1e-5, atol=1e-6)
     advantages = buffer["advantages"][mask]
@@ -177,7 +183,7 @@ def test_one_rollout_serves_epochs_times_minibatches_optimizer_steps(tmp_path):
     # a rollout is 1 × 2 × 2 = 4 prompts; 8 episodes are 2 rollouts of 2 minibatches × 2 epochs each
     assert trainer.state.global_step == 8 and rollouts == [4, 4]
     logged = {k for h in trainer.state.log_history for k in h}
-    assert set(METRICS) <= logged and "objective/kl_coef" in logged
+    assert set(METRICS) <= logged and {"objective/kl_coef", "episode"} <= logged
 
 
 @pytest.mark.slow
@@ -292,14 +298,19 @@ def test_bad_inputs_are_refused_with_the_fix(tmp_path, kwargs, overrides, match)
                    train_dataset=prompts(0, 8), **kwargs)
 
 
-def test_a_reward_model_path_scores_and_initialises_the_value_model(tmp_path):
+@pytest.mark.parametrize("given_as", ["path", "model"])
+def test_a_reward_model_scores_and_initialises_the_value_model(tmp_path, given_as):
     reward_path = tmp_path / "reward"
     reward = AutoModelForSequenceClassification.from_pretrained(tiny_model_path(), num_labels=1)
     reward.save_pretrained(reward_path)
     AutoTokenizer.from_pretrained(tiny_model_path()).save_pretrained(reward_path)
-    trainer = PPOTrainer(str(tiny_model_path()), args=config(tmp_path, reward_model_path=str(reward_path)),
-                         train_dataset=prompts(0, 8))
+    if given_as == "path":
+        args, kwargs = config(tmp_path, reward_model_path=str(reward_path)), {}
+    else:
+        args, kwargs = config(tmp_path), {"reward_model": AutoModelForSequenceClassification.from_pretrained(reward_path)}
+    trainer = PPOTrainer(str(tiny_model_path()), args=args, train_dataset=prompts(0, 8), **kwargs)
     assert all(torch.equal(a, b) for a, b in zip(trainer.value_model.parameters(), reward.parameters()))
+    assert all(a is not b for a, b in zip(trainer.value_model.parameters(), reward.parameters()))
     trainer.train()
     assert any(key.startswith("rewards/") for key in trainer.state.log_history[0])
 
