@@ -534,7 +534,7 @@ class PPOTrainer(OnPolicyTrainer):
 @hookimpl
 def trainer_callbacks(method, args):
     """With ``target_kl`` set, PPO runs get the adaptive KL controller (Ziegler et al. 2019)."""
-    if method != "ppo" or args.params.target_kl is None:
+    if not isinstance(args, PPOConfig) or args.params.target_kl is None:
         return []
     p = args.params
     return [AdaptiveKLController(p.kl_coef, p.target_kl, p.kl_horizon)]
