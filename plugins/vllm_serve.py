@@ -99,7 +99,10 @@ def run(args: argparse.Namespace, plugins) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     pool = EnginePool(args)
     try:
-        pool.start()
+        try:
+            pool.start()
+        except RuntimeError as err:
+            raise PlaitError(f"the vLLM engine for {args.model} did not start: {str(err).splitlines()[0]}") from None
         httpd.pool, httpd.token, httpd.model = pool, token, args.model
         print(f"plait vllm-serve: {args.model} ready on http://{args.host}:{args.port} "
               f"({args.data_parallel_size} engine(s) × {args.tensor_parallel_size} device(s))", flush=True)
@@ -308,13 +311,13 @@ class Handler(BaseHTTPRequestHandler):
         if route is None:
             return self._reply(HTTPStatus.NOT_FOUND, {"error": f"no route {self.command} {self.path}"})
         try:
-            body = json.loads(raw) if raw else {}
-            self._reply(HTTPStatus.OK, route(body))
+            status, payload = HTTPStatus.OK, route(json.loads(raw) if raw else {})
         except (PlaitError, ValueError, TypeError, KeyError) as err:
-            self._reply(HTTPStatus.BAD_REQUEST, {"error": f"{type(err).__name__}: {err}"})
+            status, payload = HTTPStatus.BAD_REQUEST, {"error": f"{type(err).__name__}: {err}"}
         except Exception as err:  # noqa: BLE001 - the client sees what went wrong
             traceback.print_exc()
-            self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(err).__name__}: {err}"})
+            status, payload = HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(err).__name__}: {err}"}
+        self._reply(status, payload)
 
     def _authorised(self) -> bool:
         token = self.server.token
@@ -325,11 +328,14 @@ class Handler(BaseHTTPRequestHandler):
 
     def _reply(self, status: HTTPStatus, payload: dict) -> None:
         data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client stopped waiting (e.g. a health poll while engines started)
 
     # -- routes -------------------------------------------------------------------------------
     @property
