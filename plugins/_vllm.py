@@ -315,35 +315,23 @@ class Engine:
         finally:
             if in_process:
                 _restore_env("VLLM_ENABLE_V1_MULTIPROCESSING", previous)
-        # An in-process engine sets this process's torch threads for itself (on CPU it binds OpenMP
-        # threads to cores): the engine works with its count, the trainer keeps its own in between.
-        self.threads = torch.get_num_threads() if in_process else None
-        torch.set_num_threads(threads)
+        if torch.get_num_threads() != threads:
+            # vLLM lowers the process's torch threads for serving; the trainer keeps its own. Only when
+            # changed: every set_num_threads after vLLM bound its OpenMP threads slows the engine.
+            torch.set_num_threads(threads)
         self.detokenize = not options.get("skip_tokenizer_init", False)
-
-    @contextlib.contextmanager
-    def _engine_threads(self) -> Iterator[None]:
-        theirs = torch.get_num_threads()
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(theirs)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
                  stop_token_ids: Iterable[int] = ()) -> dict[str, list]:
         params = vllm_sampling(self.vllm, sampling, stop_token_ids, detokenize=self.detokenize)
-        with self._engine_threads():
-            outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], params, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], params, use_tqdm=False)
         return completion_rows(outputs)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
         """Load (HF name, tensor) pairs (an in-process engine); returns the seconds it took."""
         start = time.perf_counter()
-        with self._engine_threads():
-            self.llm.collective_rpc("plait_load_weights", args=(weights,))
-            self.llm.reset_prefix_cache()
+        self.llm.collective_rpc("plait_load_weights", args=(weights,))
+        self.llm.reset_prefix_cache()
         return time.perf_counter() - start
 
     def reset_prefix_cache(self) -> None:
