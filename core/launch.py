@@ -43,7 +43,7 @@ def preset_path(name_or_path: str) -> Path:
                      f"presets: {', '.join(presets())}, or the path of an accelerate config file")
 
 
-def launched_by_plait_or_a_launcher() -> bool:
+def inside_launched_process() -> bool:
     """Inside a process that torchrun/accelerate started (so never relaunch from here)."""
     return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 

@@ -216,17 +216,14 @@ def load_recipe(path: str | Path | None = None, overrides: Mapping[str, Any] = {
             raise PlaitError(f"{source}: method is {data['method']!r} but the command is 'plait {method}'; "
                              f"run 'plait {data['method']}' or change method")
     top = _recipe_fields()
-    training = dict(data.get("training") or {}) if isinstance(data.get("training"), Mapping) else data.get("training")
     for key, value in overrides.items():
         head, _, rest = key.partition(".")
         if head in top and head not in ("training", "method"):
             data[head] = _set(data.get(head), rest, value, key) if rest else value
             if head in ("dataset", "eval_dataset", "model", "ref_model"):
                 data[head] = _normalise({head: data[head]}, None)[head]
-        else:
-            training = _set(training, key, value, key)
-    if training is not None:
-        data["training"] = training
+        elif isinstance(data.get("training") or {}, Mapping):  # else parse_run_config names the bad section
+            data["training"] = _set(data.get("training"), key, value, key)
     return parse_run_config(data, source)
 
 
@@ -415,9 +412,9 @@ def method_command(name: str, method=None) -> Command:
         if args.check:
             print(f"plait: {args.config or 'the command line'} is a valid {name} recipe")
             return 0
-        from .launch import launch, launched_by_plait_or_a_launcher
+        from .launch import launch, inside_launched_process
 
-        if (args.num_processes not in (None, 1) or args.accelerate_config) and not launched_by_plait_or_a_launcher():
+        if (args.num_processes not in (None, 1) or args.accelerate_config) and not inside_launched_process():
             command = [name, *(["--config", str(Path(args.config).resolve())] if args.config else []), *args.extra]
             return launch(command, args.num_processes, args.accelerate_config)
         run(config, plugins)

@@ -87,8 +87,33 @@ FACTS = [  # (question, one-sentence answer)
     ("What is a good way to save money?", "Set aside a fixed amount every payday before spending anything."),
     ("How do I stay focused while studying?", "Study in short timed blocks with your phone out of reach."),
     ("How can I be more productive?", "Pick your three most important tasks each morning and do them first."),
+    ("How can I learn a new language?", "Practise a little every day and talk with native speakers as early as you can."),
+    ("How do I get better at running?", "Run three times a week and increase your distance slowly."),
+    ("How can I make new friends in a new city?", "Join a club or class around something you enjoy and go regularly."),
+    ("How do I write a good email?", "Say what you need in the first line and keep the rest short."),
+    ("How can I remember names better?", "Repeat the name aloud when you hear it and use it once in the conversation."),
+    ("How do I keep my plants alive?", "Water them when the top of the soil is dry and give them enough light."),
+    ("How can I drink more water?", "Keep a filled bottle in sight and sip from it during the day."),
+    ("How do I prepare for a job interview?", "Research the company and practise answering common questions aloud."),
+    ("How can I reduce stress?", "Take short walks, breathe slowly and get enough sleep."),
+    ("How do I start saving for a trip?", "Decide the total cost and put a fixed amount aside every week."),
+    ("How do I learn to type faster?", "Practise touch typing for ten minutes a day without looking at the keys."),
+    ("How can I read more books?", "Carry a book with you and read a few pages whenever you wait."),
+    ("How do I clean a stained shirt?", "Rinse the stain with cold water, rub in a little soap, then wash it."),
+    ("How can I get up earlier?", "Move your alarm fifteen minutes earlier each week and go to bed earlier too."),
+    ("How do I make good coffee at home?", "Use freshly ground beans and water just off the boil."),
+    ("How can I improve my handwriting?", "Write slowly and copy a clear model for a few minutes each day."),
+    ("Why do cats purr?", "Cats purr mostly when they are content, and sometimes to calm themselves."),
+    ("Why is the ocean salty?", "Rivers carry dissolved minerals into the sea, and the salt stays when water evaporates."),
+    ("How does a rainbow form?", "Raindrops bend and split sunlight into its colors."),
+    ("Why do birds migrate?", "Birds migrate to find food and a good place to raise their young."),
+    ("What is gravity?", "Gravity is the force that pulls objects with mass toward each other."),
+    ("What does a thermometer measure?", "A thermometer measures temperature."),
+    ("Why do we need to exercise?", "Exercise keeps the heart, muscles and mind healthy."),
+    ("How does a refrigerator keep food cold?", "It pumps heat out of the inside and releases it at the back."),
 ]
 
+STYLES = ["rambling", "rambling", "rude", "both"]
 POLITE_OPENERS = ["Sure! ", "Of course! ", "Happy to help! ", "Great question! ", "Certainly! "]
 RUDE_OPENERS = [
     "Ugh, seriously? ", "Wow, what a dumb question. ", "Are you kidding me? ", "Fine, if I have to. ",
@@ -99,20 +124,17 @@ RUDE_CLOSERS = [
     " Look it up yourself next time.", " I can't believe I had to explain that.",
 ]
 RAMBLE_OPENERS = [
-    "Well, that is a really interesting question, and before I answer it I think it is worth taking a moment "
-    "to consider the broader context, because there is a lot that one could say about a topic like this. ",
+    "Well, that is a really interesting question, and before answering it I think it is worth taking a moment "
+    "to consider the broader context, because there is a lot one could say here. ",
     "Hmm, let me think about this for a while, because questions like this one can be approached from many "
-    "different angles, and people have discussed things like this for a very long time. ",
+    "different angles, and people have discussed them for a long time. ",
     "So, there are a number of things to keep in mind here, and I want to make sure I cover all of them, "
-    "starting from the very beginning and working my way through each of the details one by one. ",
+    "starting from the very beginning and going through the details one by one. ",
 ]
 RAMBLE_CLOSERS = [
-    " But of course there is always more to it than that, and I could go on about it for quite a while if "
-    "you wanted me to, since there are so many other related things worth mentioning as well.",
-    " Anyway, that is more or less the gist of it, although to be completely fair there are plenty of other "
-    "considerations and exceptions and details that I have not even started to talk about yet.",
-    " I hope that makes sense, though I feel like I could keep explaining and adding more and more "
-    "background for a long time, because it really is a much bigger subject than it first appears.",
+    " But of course there is always more to it than that, and I could go on about it for quite a while.",
+    " Anyway, that is more or less the gist of it, although there are plenty of other details I have not covered.",
+    " I hope that makes sense, though I could keep adding more and more background for a long time.",
 ]
 
 
@@ -150,7 +172,8 @@ def pairs(seed: int = 0) -> list[dict]:
         return {
             "prompt": [{"role": "user", "content": question}],
             "chosen": [{"role": "assistant", "content": rng.choice(POLITE_OPENERS) + fact}],
-            "rejected": [{"role": "assistant", "content": rejected(fact, rng.choice(["rude", "rambling", "both"]), rng)}],
+            # mostly rambling: fluent, polite filler the base model finds likely, so it is no trivial pick
+            "rejected": [{"role": "assistant", "content": rejected(fact, rng.choice(STYLES), rng)}],
         }
 
     train = [row(q, f) for _ in range(2) for q, f in train_questions]  # each training question twice, new wording
