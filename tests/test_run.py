@@ -362,5 +362,8 @@ def test_two_cpu_processes_hold_identical_weights_and_match_one_process(tmp_path
     parallel, single = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
     initial = load_file(tiny_model_path() / "model.safetensors")
     for name in single:  # same global batch (2 x 4 = 1 x 8), same data order: the same update
-        torch.testing.assert_close(parallel[name], single[name], rtol=1e-4, atol=1e-5)
+        # up to float summation order: the all-reduce adds the two halves' gradients in another
+        # order than one process does, and Adam's normalisation magnifies that for near-zero
+        # gradients (seen: 1 of 64,000 weights off by 2.3e-5 after 4 steps at lr 1e-2)
+        torch.testing.assert_close(parallel[name], single[name], rtol=1e-3, atol=1e-4)
     assert any(not torch.equal(single[k], initial[k]) for k in single)
