@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import logging
+import os
+from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -133,3 +136,20 @@ def _adapters_disabled(policy):
         raise PlaitError("the reference is 'the policy with adapters disabled' but the policy has no adapters")
     with model.disable_adapter():
         yield
+
+
+def cached_tensors(identity: str, compute: Callable[[], dict]) -> dict:
+    """``compute()`` once per ``identity`` (e.g. dataset fingerprint + reference model), kept as a
+    safetensors file under ``$PLAIT_CACHE`` (default ~/.cache/plait) and written atomically."""
+    from safetensors.torch import load_file, save_file
+
+    key = hashlib.sha256(identity.encode()).hexdigest()[:24]
+    cache = Path(os.environ.get("PLAIT_CACHE", Path.home() / ".cache" / "plait")) / "ref_logps" / f"{key}.safetensors"
+    if cache.exists():
+        return load_file(cache)
+    tensors = compute()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".tmp{os.getpid()}")
+    save_file(tensors, tmp)
+    os.replace(tmp, cache)
+    return tensors

@@ -518,7 +518,7 @@ class OnlineTrainer(PlaitTrainer):
     def _keep_completions(self, prompts, texts, rewards: Tensor, advantages: Tensor) -> None:
         names = [f.name for f in self.reward_funcs]
         self._completions_table = [
-            {"step": self.state.global_step, "prompt": _as_text(prompt), "completion": text,
+            {"step": self.state.global_step, "prompt": prompt_text(prompt), "completion": text,
              **{name: float(r) for name, r in zip(names, row.tolist())}, "advantage": float(a)}
             for prompt, text, row, a in zip(prompts, texts, rewards, advantages)
         ]
@@ -528,7 +528,7 @@ class OnlineTrainer(PlaitTrainer):
         rows, self._completions_table = getattr(self, "_completions_table", []), []
         if rows and self.args.params.log_completions and self.accelerator.is_main_process:
             limit = self.args.params.num_completions_to_print
-            print(_format_table(rows[:limit] if limit else rows))
+            print(format_table(rows[:limit] if limit else rows))
             if "wandb" in (self.args.report_to or []):
                 import wandb
 
@@ -590,7 +590,7 @@ def _split(buffer: dict, parts: int, generator: torch.Generator) -> list[dict]:
     return chunks
 
 
-def _as_text(prompt: Any) -> str:
+def prompt_text(prompt: Any) -> str:
     if isinstance(prompt, str):
         return prompt
     if is_conversational(prompt):
@@ -598,7 +598,7 @@ def _as_text(prompt: Any) -> str:
     return str(prompt)
 
 
-def _format_table(rows: list[dict]) -> str:
+def format_table(rows: list[dict]) -> str:
     columns = list(rows[0])
 
     def cell(value: Any) -> str:

@@ -14,8 +14,6 @@ GRPO's grouped sampler (:class:`plait.online.GroupSampler`) does this with group
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 import torch
 from torch import Tensor
@@ -24,7 +22,7 @@ from plait import PlaitError
 from plait.chat import is_conversational
 from plait.data import prepare_dataset
 from plait.generation import Generations, SamplingParams
-from plait.online import GroupSampler
+from plait.online import GroupSampler, format_table, prompt_text
 from plait.params import in_range, positive
 from plait.trainer import PlaitTrainer
 
@@ -193,7 +191,7 @@ class OnPolicyTrainer(PlaitTrainer):
     def keep_completions(self, prompts: list, texts: list[str], **columns: list[float]) -> None:
         if self.args.params.log_completions:
             self._completions_table = [
-                {"step": self.state.global_step, "prompt": _as_text(prompt), "completion": text,
+                {"step": self.state.global_step, "prompt": prompt_text(prompt), "completion": text,
                  **{name: float(values[i]) for name, values in columns.items()}}
                 for i, (prompt, text) in enumerate(zip(prompts, texts))
             ]
@@ -203,7 +201,7 @@ class OnPolicyTrainer(PlaitTrainer):
         rows, self._completions_table = getattr(self, "_completions_table", []), []
         if rows and self.accelerator.is_main_process:
             limit = self.args.params.num_completions_to_print
-            print(_format_table(rows[:limit] if limit else rows))
+            print(format_table(rows[:limit] if limit else rows))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,24 +263,3 @@ def split_rows(buffer: dict, parts: int, generator: torch.Generator) -> list[dic
     return chunks
 
 
-def _as_text(prompt: Any) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    if is_conversational(prompt):
-        return "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in prompt)
-    return str(prompt)
-
-
-def _format_table(rows: list[dict]) -> str:
-    columns = list(rows[0])
-
-    def cell(value: Any) -> str:
-        text = f"{value:.3f}" if isinstance(value, float) else str(value)
-        text = text.replace("\n", "⏎")
-        return text if len(text) <= 60 else text[:57] + "..."
-
-    cells = [[cell(r[c]) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    line = " | ".join(c.ljust(w) for c, w in zip(columns, widths))
-    rule = "-+-".join("-" * w for w in widths)
-    return "\n".join([line, rule, *(" | ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells)])

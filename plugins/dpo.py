@@ -8,13 +8,9 @@ f-divergence and hands it to the composed ``dpo.*`` losses; it never names a los
 
 from __future__ import annotations
 
-import hashlib
-import os
-from pathlib import Path
 
 import attrs
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
@@ -23,7 +19,7 @@ from plait.batches import PreferenceLogps, masked_mean
 from plait.config import method_config
 from plait.data import prepare_dataset
 from plait.divergences import f_divergence
-from plait.models import Reference
+from plait.models import Reference, cached_tensors
 from plait.objective import Objective, normalise_loss_specs
 from plait.params import in_range, positive
 from plait.trainer import PlaitTrainer
@@ -193,16 +189,7 @@ class DPOTrainer(PlaitTrainer):
         """Compute the reference's log-probs once, cached by dataset fingerprint and reference model."""
         reference = self.reference.model or self._policy
         identity = f"{dataset._fingerprint}|{reference.name_or_path}|{self.reference.adapters_off}|{args.params.ld_alpha}"
-        key = hashlib.sha256(identity.encode()).hexdigest()[:24]
-        cache = Path(os.environ.get("PLAIT_CACHE", Path.home() / ".cache" / "plait")) / "ref_logps" / f"{key}.safetensors"
-        if cache.exists():
-            cached = load_file(cache)
-        else:
-            cached = self._compute_reference_logps(dataset, processing_class, args)
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(f".tmp{os.getpid()}")
-            save_file(cached, tmp)
-            os.replace(tmp, cache)
+        cached = cached_tensors(identity, lambda: self._compute_reference_logps(dataset, processing_class, args))
         dataset = dataset.add_column("ref_chosen_logps", cached["chosen"].tolist())
         return dataset.add_column("ref_rejected_logps", cached["rejected"].tolist())
 

@@ -12,21 +12,17 @@ policy with adapters off under PEFT, or log-probs precomputed once.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-from pathlib import Path
 
 import attrs
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from plait import Method, PlaitError, hookimpl
 from plait.batches import UnpairedLogps
 from plait.config import method_config
 from plait.data import prepare_dataset
-from plait.models import Reference
+from plait.models import Reference, cached_tensors
 from plait.objective import Objective, normalise_loss_specs
 from plait.params import positive
 from plait.plugins._collate import check_multiple, pad_token_id, padded_batch, sequences
@@ -209,16 +205,7 @@ class KTOTrainer(PlaitTrainer):
         dataset = dataset.add_column("kl_completion_ids", completions[-1:] + completions[:-1])
         reference = self.reference.model or self._policy
         identity = f"kto|{dataset._fingerprint}|{reference.name_or_path}|{self.reference.adapters_off}"
-        key = hashlib.sha256(identity.encode()).hexdigest()[:24]
-        cache = Path(os.environ.get("PLAIT_CACHE", Path.home() / ".cache" / "plait")) / "ref_logps" / f"{key}.safetensors"
-        if cache.exists():
-            cached = load_file(cache)
-        else:
-            cached = self._compute_reference_logps(dataset, processing_class, args)
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(f".tmp{os.getpid()}")
-            save_file(cached, tmp)
-            os.replace(tmp, cache)
+        cached = cached_tensors(identity, lambda: self._compute_reference_logps(dataset, processing_class, args))
         dataset = dataset.add_column("ref_logps", cached["logps"].tolist())
         return dataset.add_column("ref_kl_logps", cached["kl_logps"].tolist())
 
