@@ -365,7 +365,8 @@ def fields_help(name: str, method) -> str:
     if "loss" in fields:
         top.append(("--loss NAME ...", "losses by registry name (or a YAML list of {name, weight, ...})"))
     if "reward_funcs" in fields:
-        top.append(("--reward_funcs NAME ...", "reward functions: registry names or dotted.paths.to_functions"))
+        top.append(("--reward_funcs NAME ...",
+                    "reward functions: registry names, import paths pkg.module:func, or reward-model folders"))
     config_name = method.config.__name__
     parts = [
         "recipe fields (top level of the YAML):\n" + _rows(top),

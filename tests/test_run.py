@@ -214,12 +214,12 @@ def toy_plugins():
 
 def test_reward_funcs_flag_reaches_a_third_party_online_method(data_file, capsys):
     plugins = toy_plugins()
-    argv = ["toy", "--model", "m", "--dataset", str(data_file), "--reward_funcs", "length", "my_pkg.rewards.exact"]
+    argv = ["toy", "--model", "m", "--dataset", str(data_file), "--reward_funcs", "length", "my_pkg.rewards:exact"]
     assert main([*argv, "--check"], plugins=plugins) == 0
     config = load_recipe(None, override_values(parse_overrides(argv[1:]), ToyConfig, "plait toy"), method="toy")
-    assert config.reward_funcs == ["length", "my_pkg.rewards.exact"]
-    assert check_recipe(config, plugins).reward_funcs == ["length", "my_pkg.rewards.exact"]
-    assert "reward functions: registry names or dotted.paths" in help_fields(capsys, "toy", plugins=plugins)["--reward_funcs"]
+    assert config.reward_funcs == ["length", "my_pkg.rewards:exact"]
+    assert check_recipe(config, plugins).reward_funcs == ["length", "my_pkg.rewards:exact"]
+    assert "reward functions: registry names, import paths pkg.module:func" in help_fields(capsys, "toy", plugins=plugins)["--reward_funcs"]
     assert main(["toy", "--model", "m", "--dataset", str(data_file), "--reward_funcs", "lenght", "--check"],
                 plugins=plugins) == 2
     assert "unknown reward 'lenght' (did you mean 'reward.length'?)" in error_line(capsys)
