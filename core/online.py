@@ -38,7 +38,7 @@ from .generation import Generations, SamplingParams
 from .importance_sampling import importance_sampling_metrics, importance_weights
 from .logprobs import token_logprobs
 from .models import Reference
-from .params import in_range, non_negative, positive
+from .params import in_range, int_at_least, non_negative, one_of, positive
 from .scoring import compute_rewards, resolve_reward_funcs, reward_metrics, reward_weights
 from .trainer import PlaitTrainer
 
@@ -52,49 +52,33 @@ def _optional(validator):
     return attrs.validators.optional(validator)
 
 
-def _int_at_least(low: int):
-    def check(instance, attribute, value) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{attribute.name}={value!r} must be an integer >= {low}")
-
-    return check
-
-
-def _one_of(options):
-    def check(instance, attribute, value) -> None:
-        if value not in options:
-            raise ValueError(f"{attribute.name}={value!r} must be one of {', '.join(map(str, options))}")
-
-    return check
-
-
 @attrs.define
 class OnlineParams:
     """Knobs every online method shares; names and defaults follow TRL's GRPOConfig."""
 
     reward_funcs: Any = None
     reward_weights: list | None = None
-    reward_error_policy: str = attrs.field(default="fail", validator=_one_of(ERROR_POLICIES))
+    reward_error_policy: str = attrs.field(default="fail", validator=one_of(ERROR_POLICIES))
     # generation
-    num_generations: int = attrs.field(default=8, validator=_int_at_least(2))
-    generation_batch_size: int | None = attrs.field(default=None, validator=_optional(_int_at_least(1)))
-    steps_per_generation: int | None = attrs.field(default=None, validator=_optional(_int_at_least(1)))
-    max_prompt_length: int | None = attrs.field(default=None, validator=_optional(_int_at_least(1)))
-    max_completion_length: int = attrs.field(default=256, validator=_int_at_least(1))
+    num_generations: int = attrs.field(default=8, validator=int_at_least(2))
+    generation_batch_size: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
+    steps_per_generation: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
+    max_prompt_length: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
+    max_completion_length: int = attrs.field(default=256, validator=int_at_least(1))
     temperature: float = attrs.field(default=1.0, validator=positive)
     top_p: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
-    top_k: int | None = attrs.field(default=None, validator=_optional(_int_at_least(0)))
+    top_k: int | None = attrs.field(default=None, validator=_optional(int_at_least(0)))
     min_p: float | None = attrs.field(default=None, validator=_optional(in_range(0.0, 1.0)))
     repetition_penalty: float = attrs.field(default=1.0, validator=positive)
     generation_kwargs: dict | None = None
     generation_backend: str = "transformers"
-    generation_max_batch_size: int | None = attrs.field(default=None, validator=_optional(_int_at_least(1)))
+    generation_max_batch_size: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
     # sampler/trainer mismatch (backends that report log-probs, e.g. a bf16 vLLM engine)
     vllm_importance_sampling_correction: bool = True
-    vllm_importance_sampling_mode: str = attrs.field(default="sequence_mask", validator=_one_of(IS_MODES))
+    vllm_importance_sampling_mode: str = attrs.field(default="sequence_mask", validator=one_of(IS_MODES))
     vllm_importance_sampling_cap: float = attrs.field(default=3.0, validator=positive)
     # optimisation
-    num_iterations: int = attrs.field(default=1, validator=_int_at_least(1))
+    num_iterations: int = attrs.field(default=1, validator=int_at_least(1))
     epsilon: float = attrs.field(default=0.2, validator=positive)
     epsilon_high: float | None = attrs.field(default=None, validator=_optional(positive))
     delta: float | None = attrs.field(default=None, validator=_optional(positive))
@@ -103,7 +87,7 @@ class OnlineParams:
     shuffle_dataset: bool = True
     # logging
     log_completions: bool = False
-    num_completions_to_print: int | None = attrs.field(default=None, validator=_optional(_int_at_least(1)))
+    num_completions_to_print: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
     # models and data
     model_init_kwargs: dict | None = None
     dataset_num_proc: int | None = None

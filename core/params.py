@@ -35,3 +35,19 @@ def in_range(low: float, high: float, *, low_open: bool = False, high_open: bool
 
 def finite(instance, attribute, value) -> None:
     _check(lambda v: True, "a finite number")(instance, attribute, value)
+
+
+def int_at_least(low: int):
+    def check(instance, attribute, value) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{attribute.name}={value!r} must be an integer >= {low}")
+
+    return check
+
+
+def one_of(options):
+    def check(instance, attribute, value) -> None:
+        if value not in options:
+            raise ValueError(f"{attribute.name}={value!r} must be one of {', '.join(map(str, options))}")
+
+    return check

@@ -44,7 +44,7 @@ from plait.config import method_config
 from plait.logprobs import token_logprobs
 from plait.models import Reference, load_model
 from plait.objective import Objective, normalise_loss_specs
-from plait.params import in_range, non_negative, positive
+from plait.params import in_range, int_at_least, non_negative, one_of, positive
 from plait.scoring import compute_rewards, resolve_advantage_estimator, resolve_reward_funcs, reward_weights
 
 from ._onpolicy import OnPolicyParams, OnPolicyTrainer, disable_dropout, pack
@@ -55,22 +55,6 @@ VALUE_FOLDER = "value_model"
 
 def _optional(validator):
     return attrs.validators.optional(validator)
-
-
-def _int_at_least(low: int):
-    def check(instance, attribute, value) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{attribute.name}={value!r} must be an integer >= {low}")
-
-    return check
-
-
-def _one_of(options):
-    def check(instance, attribute, value) -> None:
-        if value not in options:
-            raise ValueError(f"{attribute.name}={value!r} must be one of {', '.join(options)}")
-
-    return check
 
 
 @attrs.define
@@ -87,18 +71,18 @@ class PPOParams(OnPolicyParams):
     reward_funcs: Any = None
     reward_model_path: str | None = None
     reward_weights: list | None = None
-    reward_error_policy: str = attrs.field(default="fail", validator=_one_of(("fail", "none")))
+    reward_error_policy: str = attrs.field(default="fail", validator=one_of(("fail", "none")))
     value_model_path: str | None = None
     ref_model_init_kwargs: dict | None = None
-    total_episodes: int | None = attrs.field(default=None, validator=_optional(_int_at_least(1)))
-    num_ppo_epochs: int = attrs.field(default=4, validator=_int_at_least(1))
-    num_mini_batches: int = attrs.field(default=1, validator=_int_at_least(1))
-    response_length: int = attrs.field(default=53, validator=_int_at_least(1))
+    total_episodes: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
+    num_ppo_epochs: int = attrs.field(default=4, validator=int_at_least(1))
+    num_mini_batches: int = attrs.field(default=1, validator=int_at_least(1))
+    response_length: int = attrs.field(default=53, validator=int_at_least(1))
     temperature: float = attrs.field(default=0.7, validator=positive)
     kl_coef: float = attrs.field(default=0.05, validator=non_negative)
-    kl_estimator: str = attrs.field(default="k1", validator=_one_of(KL_ESTIMATORS))
+    kl_estimator: str = attrs.field(default="k1", validator=one_of(KL_ESTIMATORS))
     target_kl: float | None = attrs.field(default=None, validator=_optional(positive))
-    kl_horizon: int = attrs.field(default=10000, validator=_int_at_least(1))
+    kl_horizon: int = attrs.field(default=10000, validator=int_at_least(1))
     cliprange: float = attrs.field(default=0.2, validator=positive)
     cliprange_value: float = attrs.field(default=0.2, validator=positive)
     vf_coef: float = attrs.field(default=0.1, validator=non_negative)
@@ -106,7 +90,7 @@ class PPOParams(OnPolicyParams):
     lam: float = attrs.field(default=0.95, validator=in_range(0.0, 1.0))
     whiten_rewards: bool = False
     missing_eos_penalty: float | None = attrs.field(default=None, validator=_optional(non_negative))
-    local_rollout_forward_batch_size: int = attrs.field(default=64, validator=_int_at_least(1))
+    local_rollout_forward_batch_size: int = attrs.field(default=64, validator=int_at_least(1))
     advantage_estimator: str | dict | None = None
     loss: list | None = None
     value_loss: list | None = None
