@@ -277,7 +277,54 @@ def _removed(prompt: slice, prompt_len: int, completions: list[slice], lens: lis
     return prompt_len + sum(lens) - kept
 
 
-def _encode_language_modeling(row: dict, enc: Encoder, kind: str) -> tuple[dict, int, int]:
+@attrs.frozen
+class Encoded:
+    """One tokenised example and what tokenising it cost.
+
+    ``removed`` counts tokens truncation cut; ``overlong`` is the prompt's length when it leaves
+    no room under ``max_length`` (0 otherwise); ``untrained`` says why the example keeps no
+    trained token (empty when it keeps one) and ``detail`` what in the example shows it;
+    ``identical`` marks a preference pair whose chosen and rejected tokens are the same.
+    """
+
+    tokens: dict
+    removed: int = 0
+    overlong: int = 0
+    untrained: str = ""
+    detail: str = ""
+    identical: bool = False
+
+
+def _trained(mask: Sequence[int]) -> int:
+    """Tokens a row trains on: marked ones, except the first, which nothing predicts."""
+    return sum(mask[1:])
+
+
+def _roles(value: Any) -> str:
+    """The message roles of a conversation, for naming a misspelled one ('' for a string)."""
+    if not chat.is_conversational(value):
+        return ""
+    return "roles " + ", ".join(repr(r) for r in dict.fromkeys(m["role"] for m in value))
+
+
+def _cut_off(enc: Encoder) -> str:
+    return (f"truncation to max_length={enc.max_length} ({enc.truncation_mode}) cut off every trained token "
+            "(raise max_length or change truncation_mode)")
+
+
+def _completion_untrained(enc: Encoder, side: str, prompt: list[int], before: int, kept: list[int],
+                          value: Any) -> tuple[str, str]:
+    """Why a completion of a preference or unpaired example trains nothing ('' when it trains)."""
+    trained = len(kept) - (not prompt)  # with no prompt, nothing predicts the completion's first token
+    if trained > 0:
+        return "", ""
+    if before > (not prompt):
+        return _cut_off(enc), ""
+    return (f"the {side} completion renders to no token after the prompt: the chat template drops it or the "
+            "prompt already ends with it (check its roles and content)", _roles(value))
+
+
+def _encode_language_modeling(row: dict, enc: Encoder, kind: str) -> Encoded:
     tools = row.get("tools")
     if kind == "prompt_completion":
         prompt, completion = row["prompt"], row["completion"]
@@ -294,7 +341,10 @@ def _encode_language_modeling(row: dict, enc: Encoder, kind: str) -> tuple[dict,
         # p always ends at the prompt's end, and c starts at 0 unless p is empty: one contiguous window.
         window = slice(p.start + c.start, len(prompt_ids) + c.stop)
         removed = _removed(p, len(prompt_ids), [c], [len(completion_ids)])
-        return {"input_ids": ids[window], "completion_mask": mask[window]}, removed, len(prompt_ids) if overlong else 0
+        tokens = {"input_ids": ids[window], "completion_mask": mask[window]}
+        why, detail = _lm_untrained(enc, mask, tokens["completion_mask"], chat.join(prompt, completion)
+                                    if chat.is_conversational(prompt) else completion)
+        return Encoded(tokens, removed, len(prompt_ids) if overlong else 0, why, detail)
     text = row["text"]
     if chat.is_conversational(text):
         if enc.assistant_only_loss:
@@ -306,10 +356,25 @@ def _encode_language_modeling(row: dict, enc: Encoder, kind: str) -> tuple[dict,
         ids = enc.with_eos(chat.encode(enc.processing_class, text, special_tokens=True))
         mask = [1] * len(ids)
     _, (window,), _ = enc.fit(0, [len(ids)])
-    return {"input_ids": ids[window], "completion_mask": mask[window]}, len(ids) - (window.stop - window.start), 0
+    tokens = {"input_ids": ids[window], "completion_mask": mask[window]}
+    why, detail = _lm_untrained(enc, mask, tokens["completion_mask"], text)
+    return Encoded(tokens, len(ids) - (window.stop - window.start), 0, why, detail)
 
 
-def _encode_preference(row: dict, enc: Encoder, kind: str) -> tuple[dict, int, int]:
+def _lm_untrained(enc: Encoder, mask: list[int], kept: list[int], value: Any) -> tuple[str, str]:
+    """Why a language-modelling row trains nothing ('' when it trains): its mask before and after truncation."""
+    if _trained(kept) > 0:
+        return "", ""
+    if _trained(mask) > 0:
+        return _cut_off(enc), ""
+    if enc.assistant_only_loss:
+        return ("no assistant token: assistant_only_loss=True trains only messages whose role is 'assistant' "
+                "(fix misspelled roles or set assistant_only_loss=False)", _roles(value))
+    return ("no token to train on: the completion renders to nothing or the text is a single token "
+            "(check the data, or set completion_only_loss=False)", _roles(value))
+
+
+def _encode_preference(row: dict, enc: Encoder, kind: str) -> Encoded:
     tools = row.get("tools")
     prompt_c, chosen = enc.pair(row["prompt"], row["chosen"], tools)
     prompt_r, rejected = enc.pair(row["prompt"], row["rejected"], tools)
@@ -319,17 +384,26 @@ def _encode_preference(row: dict, enc: Encoder, kind: str) -> tuple[dict, int, i
     lens = [len(chosen), len(rejected)]
     p, (c, r), overlong = enc.fit(n, lens)
     out = {"prompt_ids": prompt_ids[p], "chosen_ids": chosen[c], "rejected_ids": rejected[r]}
-    return out, _removed(p, n, [c, r], lens), n if overlong else 0
+    why, detail = "", ""
+    for side, before in zip(("chosen", "rejected"), lens):
+        why, detail = _completion_untrained(enc, side, out["prompt_ids"], before, out[f"{side}_ids"], row[side])
+        if why:
+            break
+    identical = out["chosen_ids"] == out["rejected_ids"]
+    return Encoded(out, _removed(p, n, [c, r], lens), n if overlong else 0, why, detail, identical)
 
 
-def _encode_unpaired(row: dict, enc: Encoder, kind: str) -> tuple[dict, int, int]:
+def _encode_unpaired(row: dict, enc: Encoder, kind: str) -> Encoded:
     prompt_ids, completion_ids = enc.pair(row["prompt"], row["completion"], row.get("tools"))
     p, (c,), overlong = enc.fit(len(prompt_ids), [len(completion_ids)])
     out = {"prompt_ids": prompt_ids[p], "completion_ids": completion_ids[c], "label": row["label"]}
-    return out, _removed(p, len(prompt_ids), [c], [len(completion_ids)]), len(prompt_ids) if overlong else 0
+    why, detail = _completion_untrained(enc, "completion", out["prompt_ids"], len(completion_ids),
+                                        out["completion_ids"], row["completion"])
+    removed = _removed(p, len(prompt_ids), [c], [len(completion_ids)])
+    return Encoded(out, removed, len(prompt_ids) if overlong else 0, why, detail)
 
 
-def _encode_prompt_only(row: dict, enc: Encoder, kind: str) -> tuple[dict, int, int]:
+def _encode_prompt_only(row: dict, enc: Encoder, kind: str) -> Encoded:
     prompt = row["prompt"]
     if chat.is_conversational(prompt):
         text = chat.render_prompt(enc.processing_class, prompt, tools=row.get("tools"))
@@ -337,7 +411,7 @@ def _encode_prompt_only(row: dict, enc: Encoder, kind: str) -> tuple[dict, int, 
     else:
         ids = chat.encode(enc.processing_class, prompt, special_tokens=True)
     overlong = enc.max_length is not None and len(ids) > enc.max_length
-    return {"prompt_ids": ids, "prompt": prompt}, 0, len(ids) if overlong else 0
+    return Encoded({"prompt_ids": ids, "prompt": prompt}, overlong=len(ids) if overlong else 0)
 
 
 def _paired_to_unpaired(row: dict) -> list[dict]:
@@ -352,7 +426,7 @@ class Task:
 
     name: str
     accepts: Mapping[str, Callable[[dict], list[dict]] | None]  # kind -> row expansion (None: as is)
-    encode: Callable[[dict, Encoder, str], tuple[dict, int, int]]
+    encode: Callable[[dict, Encoder, str], Encoded]
     consumes: tuple[str, ...]  # canonical fields replaced by token columns; other columns are kept
     columns: tuple[str, ...]
     purpose: str
@@ -444,11 +518,13 @@ def prepare_dataset(
                 raise PlaitError(f"dataset row {index} mixes standard and conversational rows with row 0; use one variant throughout")
             for item in expand(row):
                 try:
-                    tokens, removed, overlong = spec.encode(item, encoder, fmt.kind)
+                    encoded = spec.encode(item, encoder, fmt.kind)
                 except PlaitError as err:
                     raise PlaitError(f"dataset row {index}: {err}") from None
                 extras = {k: v for k, v in item.items() if keep or k not in spec.consumes}
-                record = {**extras, **tokens, "_plait_row": index, "_plait_removed": removed, "_plait_overlong": overlong}
+                record = {**extras, **encoded.tokens, "_plait_row": index, "_plait_removed": encoded.removed,
+                          "_plait_overlong": encoded.overlong, "_plait_untrained": encoded.untrained,
+                          "_plait_detail": encoded.detail, "_plait_identical": encoded.identical}
                 for key, value in record.items():
                     out.setdefault(key, []).append(value)
         return out
@@ -457,7 +533,7 @@ def prepare_dataset(
         process, batched=True, with_indices=True, remove_columns=dataset.column_names, num_proc=num_proc,
         desc=f"plait: tokenising {component.name} for {task}",
     )
-    return _apply_length_policy(processed, len(dataset), max_length, on_overlong, truncation_mode)
+    return _apply_row_policies(processed, len(dataset), max_length, on_overlong, truncation_mode)
 
 
 def _wrong_kind(task: str, spec: Task, component, columns: list[str], plugins) -> str:
@@ -473,7 +549,8 @@ def _wrong_kind(task: str, spec: Task, component, columns: list[str], plugins) -
     )
 
 
-def _apply_length_policy(processed, n_rows: int, max_length: int | None, on_overlong: str, mode: str):
+def _apply_row_policies(processed, n_rows: int, max_length: int | None, on_overlong: str, mode: str):
+    """Drop (or refuse) overlong examples, drop examples that keep no trained token, report the rest."""
     overlong = processed["_plait_overlong"]
     bad = [i for i, n in enumerate(overlong) if n]
     if bad:
@@ -492,13 +569,50 @@ def _apply_length_policy(processed, n_rows: int, max_length: int | None, on_over
         processed = processed.select([i for i in range(len(processed)) if i not in bad_set])
     if len(processed) == 0:
         raise PlaitError(f"every one of the {n_rows} examples was dropped as overlong under max_length={max_length}; raise max_length")
+    processed = _drop_untrained(processed)
     removed = [n for n in processed["_plait_removed"] if n]
     if removed:
         logger.warning(
             "plait: truncated %d of %d examples to max_length=%s (%s): %d tokens removed, mean %.1f, max %d per example",
             len(removed), len(processed), max_length, mode, sum(removed), sum(removed) / len(removed), max(removed),
         )
-    return processed.remove_columns(["_plait_row", "_plait_removed", "_plait_overlong"])
+    identical = [i for i, same in enumerate(processed["_plait_identical"]) if same]
+    if identical:
+        logger.warning(
+            "plait: %d of %d preference pairs have identical chosen and rejected tokens after templating and "
+            "truncation (e.g. dataset row %d); they carry no preference signal: fix or drop them",
+            len(identical), len(processed), processed["_plait_row"][identical[0]],
+        )
+    return processed.remove_columns(
+        ["_plait_row", "_plait_removed", "_plait_overlong", "_plait_untrained", "_plait_detail", "_plait_identical"]
+    )
+
+
+def _drop_untrained(processed):
+    """Drop examples that keep no trained token (a loss over no tokens is 0/0); refuse when none remain."""
+    reasons = processed["_plait_untrained"]
+    bad = [i for i, why in enumerate(reasons) if why]
+    if not bad:
+        return processed
+    rows, details = processed["_plait_row"], processed["_plait_detail"]
+    groups: dict[str, list[int]] = {}
+    for i in bad:
+        groups.setdefault(reasons[i], []).append(i)
+    summary = "; ".join(
+        f"{len(members)}: {why} - e.g. dataset row {rows[members[0]]}"
+        + (f" ({details[members[0]]})" if details[members[0]] else "")
+        for why, members in groups.items()
+    )
+    if len(bad) == len(processed):
+        raise PlaitError(
+            f"none of the {len(processed)} examples keeps a trained token after templating, masking and truncation; {summary}"
+        )
+    logger.warning(
+        "plait: dropped %d of %d examples that keep no trained token after templating, masking and truncation; %s",
+        len(bad), len(processed), summary,
+    )
+    bad_set = set(bad)
+    return processed.select([i for i in range(len(processed)) if i not in bad_set])
 
 
 # ---------------------------------------------------------------------------------------------
