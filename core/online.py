@@ -200,6 +200,11 @@ class OnlineTrainer(PlaitTrainer):
     and implement :meth:`build_objective` and :meth:`advantages`."""
 
     loss_family: ClassVar[str]
+    # The constructor's reward arguments, read by validate(). Class defaults, because validate()
+    # also runs on a trainer whose __init__ never ran (`plait <method> --check`: a recipe gives its
+    # rewards as the config's reward_funcs).
+    _reward_specs = None
+    _reward_processing_classes = None
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),

@@ -263,6 +263,14 @@ def check_recipe(config: RunConfig, plugins: Plugins | None = None):
     except UnknownComponentError as err:
         raise PlaitError(f"{err}; if it comes from a plugin package, install it (pip install <package>) "
                          "and check 'plait plugins'") from err
+    except AttributeError as err:
+        if err.obj is not trainer:
+            raise
+        # a method plugin's bug, not the recipe's: say which contract it breaks and whose it is
+        source = plugins.methods.get(config.method, family="method")
+        raise PlaitError(f"method {config.method!r} from plugin {source.plugin} ({source.distribution} {source.version}): "
+                         f"{method.trainer.__name__}.validate() reads self.{err.name}, which only __init__ sets; "
+                         "validate() must work before __init__ runs (plait --check); report this to its authors") from err
     if config.ref_model is not None and "ref_model" not in _init_parameters(method.trainer):
         raise PlaitError(f"ref_model: method {config.method!r} uses no reference model; remove ref_model")
     if config.peft is not None:
