@@ -29,6 +29,11 @@ class Command:
     help: str = ""
     accepts_extra: bool = False  # unknown --flags are handed to run() as args.extra
 
+    @property
+    def summary(self) -> str:
+        """What `plait list commands` shows: the command's own help line."""
+        return self.help
+
 
 # `plait list <kind>`: short names for the registries
 LIST_KINDS = {

@@ -44,8 +44,12 @@ class Component:
 
     @property
     def summary(self) -> str:
-        module = sys.modules.get(getattr(self.obj, "__module__", ""), None)
-        text = self.doc or getattr(self.obj, "__doc__", None) or getattr(module, "__doc__", None) or ""
+        own = getattr(self.obj, "summary", None)
+        if isinstance(own, str):  # a record (Method, Command) has its own; its class docstring says what a Method is
+            text = self.doc or own
+        else:
+            module = sys.modules.get(getattr(self.obj, "__module__", ""), None)
+            text = self.doc or getattr(self.obj, "__doc__", None) or getattr(module, "__doc__", None) or ""
         return text.strip().splitlines()[0] if text.strip() else ""
 
     def make_params(self, **values: Any):

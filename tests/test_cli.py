@@ -8,12 +8,14 @@ import sys
 import types
 from pathlib import Path
 
+import attrs
 import pytest
 
 import plait
 import plait.losses.dpo_sigmoid
 from plait.cli import Command, main
 from plait.errors import PlaitError
+from plait.testing.tiny_model import tiny_model_path
 
 PLAIT = Path(sys.executable).parent / "plait"  # the console script installed beside this python
 SIGMOID_SUMMARY = plait.losses.dpo_sigmoid.__doc__.strip().splitlines()[0]
@@ -163,3 +165,58 @@ def test_console_script_reports_a_bad_switch_as_a_plait_error():
     result = run_plait("plugins", PLAIT_ON_PLUGIN_ERROR="maybe")
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == "plait: error: plugins.on_import_error='maybe' is not valid; use 'fail' or 'skip'\n"
+
+
+def test_list_methods_shows_each_methods_own_summary(capsys):
+    plugins = plait.make_plugins()
+    assert main(["list", "methods", "--json"], plugins=plugins) == 0
+    listed = {entry["name"]: entry["summary"] for entry in json.loads(capsys.readouterr().out)}
+    assert listed == {c.name: c.obj.summary for c in plugins.methods}
+    assert len(set(listed.values())) == len(listed) and "" not in listed.values()  # one line each, none shared
+
+
+def test_list_commands_shows_each_commands_help(capsys):
+    greeter = commands_plugin(hello=Command(lambda args, plugins: 0, help="say hello"))
+    assert main(["list", "commands", "--json"], plugins=plait.make_plugins(autoload=False, plugins=[greeter])) == 0
+    assert [entry["summary"] for entry in json.loads(capsys.readouterr().out)] == ["say hello"]
+
+
+@pytest.mark.parametrize("method", ["grpo", "rloo"])
+def test_console_script_checks_an_online_recipe(method, tmp_path):
+    # --check builds the trainer without __init__; the online trainers' validate() used to read an
+    # attribute only __init__ sets (AttributeError: ... '_reward_specs')
+    data = Path(__file__).resolve().parents[1] / "examples" / "data" / "demo_preferences.jsonl"
+    recipe = tmp_path / f"{method}.yaml"
+    recipe.write_text(f"method: {method}\nmodel: {tiny_model_path()}\ndataset: {data}\n"
+                      "reward_funcs: [{name: soft_overlong, max_len: 16, cache: 8}]\n"
+                      "training: {num_generations: 4, per_device_train_batch_size: 4}\n")
+    result = run_plait(method, "--config", str(recipe), "--check")
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == f"plait: {recipe} is a valid {method} recipe\n"
+
+
+def test_a_method_whose_validate_needs_init_is_named_in_one_line(capsys, tmp_path):
+    from plait.config import method_config
+    from plait.trainer import PlaitTrainer
+
+    @attrs.define
+    class Params:
+        pass
+
+    class NeedyTrainer(PlaitTrainer):
+        method = "needy"
+        config_class = method_config("NeedyConfig", Params)
+
+        def validate(self, args):
+            return self.set_by_init
+
+    methods = plugin("needy", register_methods=lambda register: register(
+        "method.needy", plait.Method(config=NeedyTrainer.config_class, trainer=NeedyTrainer)))
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "hi"}\n')
+    argv = ["needy", "--model", "m", "--dataset", str(data), "--output_dir", str(tmp_path / "out"), "--check"]
+    assert main(argv, plugins=plait.make_plugins(autoload=False, plugins=[methods])) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("plait: error: method 'needy' from plugin needy (") and error.count("\n") == 1
+    assert error.endswith("NeedyTrainer.validate() reads self.set_by_init, which only __init__ sets; validate() must "
+                          "work before __init__ runs (plait --check); report this to its authors\n")
