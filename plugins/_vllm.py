@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
 import time
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -194,16 +195,29 @@ def weight_group(host: str, port: int, rank: int, world_size: int, backend: str,
     """A process group of its own, built from a TCP store (rank 0 hosts it at ``host:port``).
 
     torch.distributed.init_process_group cannot be used: the trainer or the engine may already
-    have a default group, and a second one is refused.
+    have a default group, and a second one is refused. The store listens on ``host`` alone:
+    TCPStore's own server would listen on every interface, so rank 0 hands it a bound socket.
     """
     wait = datetime.timedelta(seconds=timeout)
-    store = torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0, timeout=wait)
+    listener = listening_socket(host, port) if rank == 0 else None
+    store = torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0, timeout=wait,
+                                       master_listen_fd=listener)
     store = torch.distributed.PrefixStore("plait-weights", store)
     if backend == "gloo":
         return torch.distributed.ProcessGroupGloo(store, rank, world_size, wait)
     if backend == "nccl":
         return torch.distributed.ProcessGroupNCCL(store, rank, world_size)
     raise PlaitError(f"weight-sync backend {backend!r} is not supported; use gloo (CPU) or nccl (GPU)")
+
+
+def listening_socket(host: str, port: int) -> int:
+    """The descriptor of a socket listening on ``host:port`` only (the store takes it over)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    try:
+        return socket.create_server((host, port), family=family).detach()
+    except OSError as err:
+        raise PlaitError(f"the weight-sync store cannot listen on {host}:{port} ({err.strerror}); "
+                         "choose another vllm_group_port") from None
 
 
 def broadcast(group, tensor: torch.Tensor, root: int) -> None:

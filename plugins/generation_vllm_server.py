@@ -70,11 +70,17 @@ class VLLMClient:
         self.group = None
         self.rank = None
         self.push_seconds: list[float] = []
+        self.max_body_bytes: int | None = None  # the server's, from /health
 
     # -- plumbing -----------------------------------------------------------------------------
     def _request(self, method: str, route: str, body: Any = None, *, idempotent: bool = True,
                  timeout: float | None = 600.0) -> dict:
         data = None if body is None else json.dumps(body).encode()
+        if data is not None and self.max_body_bytes is not None and len(data) > self.max_body_bytes:
+            # said here: the server refuses such a body unread, and a client still sending sees a reset
+            raise PlaitError(f"{method} {route} would send {len(data)} bytes to the vLLM server at {self.base_url}, "
+                             f"over its limit of {self.max_body_bytes}; raise it (plait vllm-serve --max-body-bytes) "
+                             "or generate from fewer prompts at a time")
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
@@ -99,7 +105,9 @@ class VLLMClient:
                 time.sleep(delays[attempt])
 
     def health(self, timeout: float = 10.0) -> dict:
-        return self._request("GET", "/health", idempotent=False, timeout=timeout)
+        info = self._request("GET", "/health", idempotent=False, timeout=timeout)
+        self.max_body_bytes = info.get("max_body_bytes")
+        return info
 
     def wait_until_ready(self, timeout: float | None = None) -> dict:
         """Poll ``/health`` until the server answers, or fail after ``timeout`` seconds naming it."""

@@ -1,9 +1,9 @@
 """``plait vllm-serve``: a vLLM generation server that an online trainer drives (server mode).
 
 ``plait vllm-serve --model PATH [--tensor-parallel-size N] [--data-parallel-size N] [--host H]
-[--port P] [--gpu-memory-utilization F] [--token T]`` starts ``data_parallel_size`` engine
-processes (each a ``vllm.LLM`` over ``tensor_parallel_size`` devices, or over its own share of
-the CPU cores) behind a small JSON-over-HTTP front:
+[--port P] [--gpu-memory-utilization F] [--token T] [--max-body-bytes B] [--body-timeout S]``
+starts ``data_parallel_size`` engine processes (each a ``vllm.LLM`` over ``tensor_parallel_size``
+devices, or over its own share of the CPU cores) behind a small JSON-over-HTTP front:
 
 ====================  =====================================================================
 ``GET /health``       ``{"status": "ok", "world_size", "weight_backend", "devices", ...}``
@@ -11,7 +11,8 @@ the CPU cores) behind a small JSON-over-HTTP front:
                       "stop_token_ids": [...]}`` -> prompt_ids, completion_ids, texts,
                       per-token logprobs and finished, grouped by prompt
 ``POST /init_communicator``  ``{"port"}``: the engines' workers join a weight-sync process group
-                      with the trainer (rank ``world_size``; worker 0 hosts the store at ``port``)
+                      with the trainer (rank ``world_size``; worker 0 hosts the store at
+                      ``port`` on the server's own address, never on every interface)
 ``POST /update_weights``     ``{"layout"}``: receive the buckets the trainer broadcasts, reload
                       them into the engines, reset the prefix cache
 ``POST /reset_prefix_cache``
@@ -21,7 +22,11 @@ the CPU cores) behind a small JSON-over-HTTP front:
 Weights never travel in an HTTP body: they go over the process group (gloo on CPU, NCCL on
 GPU). The server binds 127.0.0.1 by default; binding any other address needs a shared token
 (``--token`` or PLAIT_VLLM_TOKEN), and then every request without ``Authorization: Bearer
-<token>`` is refused with 401. Note that the weight-sync store listens while a trainer joins.
+<token>`` is refused with 401. Every request is judged from its headers before a byte of its
+body is read: a wrong token is 401, a body over ``--max-body-bytes`` (64 MiB) is 413, and a body
+that does not arrive in full within ``--body-timeout`` seconds (60; also the longest pause
+allowed while the headers arrive) is 408, so a slow or stalled client cannot hold a handler
+thread. Note that the weight-sync store listens (on ``--host``) while a trainer joins.
 """
 
 from __future__ import annotations
@@ -47,6 +52,11 @@ from plait.cli import Command
 from plait.errors import PlaitError
 
 TOKEN_ENV = "PLAIT_VLLM_TOKEN"
+MAX_BODY_BYTES = 64 * 2**20  # generate requests: millions of prompt token ids; weights never travel in a body
+BODY_TIMEOUT = 60.0  # seconds for a whole body to arrive: 64 MiB at ~1 MB/s
+# After refusing a request whose body was not read, the client may still be sending: discard at
+# most this much, this long, so it can read the refusal instead of a reset (RFC 9112 section 9.6).
+LINGER_BYTES, LINGER_SECONDS = 2**20, 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no CUDA graphs / compilation (default: on for CPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--token", default=None, help=f"shared secret clients must send (or set {TOKEN_ENV})")
+    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                        help="largest request body accepted; larger ones get 413 before they are read (default 64 MiB)")
+    parser.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT,
+                        help="seconds a request body may take to arrive in full (and the longest pause while "
+                             "headers arrive); slower clients get 408 (default 60)")
 
 
 def is_loopback(host: str) -> bool:
@@ -88,14 +103,16 @@ def check_bind(host: str, token: str | None) -> None:
 def run(args: argparse.Namespace, plugins) -> int:
     token = args.token or os.environ.get(TOKEN_ENV) or None
     check_bind(args.host, token)
-    for flag in ("tensor_parallel_size", "data_parallel_size", "port"):
+    for flag in ("tensor_parallel_size", "data_parallel_size", "port", "max_body_bytes"):
         if getattr(args, flag) < 1:
             raise PlaitError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be at least 1")
-    try:
-        httpd = ThreadingHTTPServer((args.host, args.port), Handler)  # bind first: a busy port fails now
+    if not args.body_timeout > 0:
+        raise PlaitError(f"--body-timeout={args.body_timeout} must be a positive number of seconds")
+    try:  # bind first: a busy port fails now
+        httpd = GenerationServer((args.host, args.port), model=args.model, token=token,
+                                 max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout)
     except OSError as err:
         raise PlaitError(f"cannot listen on {args.host}:{args.port} ({err.strerror}); choose another --port") from None
-    httpd.daemon_threads = True
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     pool = EnginePool(args)
     try:
@@ -103,7 +120,7 @@ def run(args: argparse.Namespace, plugins) -> int:
             pool.start()
         except RuntimeError as err:
             raise PlaitError(f"the vLLM engine for {args.model} did not start: {str(err).splitlines()[0]}") from None
-        httpd.pool, httpd.token, httpd.model = pool, token, args.model
+        httpd.pool = pool
         print(f"plait vllm-serve: {args.model} ready on http://{args.host}:{args.port} "
               f"({args.data_parallel_size} engine(s) × {args.tensor_parallel_size} device(s))", flush=True)
         httpd.serve_forever()
@@ -259,10 +276,10 @@ class EnginePool:
         start = index * per + min(index, extra)
         return slice(start, start + per + (index < extra))
 
-    def join(self, port: int, timeout: float) -> None:
+    def join(self, host: str, port: int, timeout: float) -> None:
+        """Every worker joins the weight-sync group; worker 0 hosts its store at ``host:port``."""
         tp = self.args.tensor_parallel_size
-        # every worker connects to the store that worker 0 hosts on this machine
-        self.call("join", [("127.0.0.1", port, self.world_size + 1, i * tp, self.weight_backend, timeout)
+        self.call("join", [(host, port, self.world_size + 1, i * tp, self.weight_backend, timeout)
                            for i in range(self.engines)])
 
     def close(self) -> None:
@@ -285,39 +302,129 @@ class EnginePool:
 # ---------------------------------------------------------------------------------------------
 
 
+class GenerationServer(ThreadingHTTPServer):
+    """The HTTP front: ``pool`` (an :class:`EnginePool`) answers the routes; ``token``,
+    ``max_body_bytes`` and ``body_timeout`` decide which requests it gets to see."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], pool: EnginePool | None = None, *, model: str = "",
+                 token: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT):
+        super().__init__(address, Handler)
+        self.pool, self.model, self.token = pool, model, token
+        self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
+
+
 class Handler(BaseHTTPRequestHandler):
     server_version = "plait-vllm-serve"
     protocol_version = "HTTP/1.1"
+    routes = {("GET", "/health"): "health", ("POST", "/generate"): "generate",
+              ("POST", "/init_communicator"): "init_communicator", ("POST", "/update_weights"): "update_weights",
+              ("POST", "/reset_prefix_cache"): "reset_prefix_cache", ("POST", "/close"): "close_communicator"}
+
+    def setup(self) -> None:
+        self.timeout = self.server.body_timeout  # socket timeout: a stalled request line or header is dropped
+        super().setup()
 
     def log_message(self, format, *args) -> None:  # one line per request on stderr, without the host
         sys.stderr.write(f"plait vllm-serve: {format % args}\n")
 
     def do_GET(self) -> None:
-        self._dispatch({"/health": self.health})
+        self._dispatch()
 
-    def do_POST(self) -> None:
-        self._dispatch({"/generate": self.generate, "/init_communicator": self.init_communicator,
-                        "/update_weights": self.update_weights, "/reset_prefix_cache": self.reset_prefix_cache,
-                        "/close": self.close_communicator})
+    do_POST = do_GET
 
-    def _dispatch(self, routes: dict) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
-        route = routes.get(self.path.rstrip("/") or "/")
-        if not self._authorised():
-            return self._reply(HTTPStatus.UNAUTHORIZED, {
-                "error": "missing or wrong token: send the header 'Authorization: Bearer <token>' "
-                         f"(the server's --token or {TOKEN_ENV})"})
-        if route is None:
-            return self._reply(HTTPStatus.NOT_FOUND, {"error": f"no route {self.command} {self.path}"})
+    def handle_expect_100(self) -> bool:
+        """``Expect: 100-continue``: a refused request is answered before the client sends its body."""
+        refusal = self._refusal()
+        if refusal is not None:
+            self._refuse(*refusal)
+            return False
+        return super().handle_expect_100()
+
+    def _dispatch(self) -> None:
+        refusal = self._refusal()
+        if refusal is not None:
+            return self._refuse(*refusal)
         try:
-            status, payload = HTTPStatus.OK, route(json.loads(raw) if raw else {})
+            raw = self._read_body(self._content_length())
+        except TimeoutError:
+            return self._refuse(HTTPStatus.REQUEST_TIMEOUT, f"the request body did not arrive within "
+                                f"{self.server.body_timeout:g} s (plait vllm-serve --body-timeout)")
+        except ConnectionError:
+            self.close_connection = True  # the client went away mid-body: no one to answer
+            return
+        try:
+            status, payload = HTTPStatus.OK, self._route()(json.loads(raw) if raw else {})
         except (PlaitError, ValueError, TypeError, KeyError) as err:
             status, payload = HTTPStatus.BAD_REQUEST, {"error": f"{type(err).__name__}: {err}"}
         except Exception as err:  # noqa: BLE001 - the client sees what went wrong
             traceback.print_exc()
             status, payload = HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(err).__name__}: {err}"}
         self._reply(status, payload)
+
+    def _route(self):
+        name = self.routes.get((self.command, self.path.rstrip("/") or "/"))
+        return getattr(self, name) if name else None
+
+    def _refusal(self) -> tuple[HTTPStatus, str] | None:
+        """Why this request is refused, judged from its headers alone (None: read its body)."""
+        if not self._authorised():
+            return HTTPStatus.UNAUTHORIZED, ("missing or wrong token: send the header 'Authorization: Bearer "
+                                             f"<token>' (the server's --token or {TOKEN_ENV})")
+        if self._route() is None:
+            return HTTPStatus.NOT_FOUND, f"no route {self.command} {self.path}"
+        if "Transfer-Encoding" in self.headers:
+            return HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length header, not Transfer-Encoding"
+        length = self._content_length()
+        if length is None:
+            return HTTPStatus.BAD_REQUEST, f"Content-Length {self.headers['Content-Length']!r} is not a byte count"
+        if length > self.server.max_body_bytes:
+            return HTTPStatus.REQUEST_ENTITY_TOO_LARGE, (
+                f"the body is {length} bytes, over this server's limit of {self.server.max_body_bytes}; "
+                "send fewer prompts per request or raise plait vllm-serve --max-body-bytes")
+        return None
+
+    def _content_length(self) -> int | None:
+        values = self.headers.get_all("Content-Length") or ["0"]
+        text = values[0].strip()
+        return int(text) if len(values) == 1 and text.isascii() and text.isdigit() else None
+
+    def _read_body(self, length: int) -> bytes:
+        """The body, which must arrive in full within ``body_timeout`` seconds: one deadline for
+        the whole read, so a client trickling a byte at a time cannot outlast it."""
+        deadline = time.monotonic() + self.server.body_timeout
+        body = bytearray()
+        try:
+            while len(body) < length:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self.connection.settimeout(left)
+                chunk = self.rfile.read1(min(length - len(body), 2**20))
+                if not chunk:
+                    raise ConnectionResetError
+                body += chunk
+        finally:
+            self.connection.settimeout(self.timeout)
+        return bytes(body)
+
+    def _refuse(self, status: HTTPStatus, message: str) -> None:
+        """Answer and close without taking in the body; first discard a little of what the client
+        may still be sending, so it reads this answer rather than a connection reset."""
+        self.close_connection = True
+        self._reply(status, {"error": message})
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            deadline, drained = time.monotonic() + LINGER_SECONDS, 0
+            while drained < LINGER_BYTES and (left := deadline - time.monotonic()) > 0:
+                self.connection.settimeout(left)
+                chunk = self.connection.recv(2**16)
+                if not chunk:
+                    break
+                drained += len(chunk)
+        except OSError:
+            pass
 
     def _authorised(self) -> bool:
         token = self.server.token
@@ -332,9 +439,11 @@ class Handler(BaseHTTPRequestHandler):
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):
+        except OSError:
             self.close_connection = True  # the client stopped waiting (e.g. a health poll while engines started)
 
     # -- routes -------------------------------------------------------------------------------
@@ -346,7 +455,8 @@ class Handler(BaseHTTPRequestHandler):
         pool = self.pool
         return {"status": "ok", "model": self.server.model, "world_size": pool.world_size,
                 "data_parallel_size": pool.engines, "tensor_parallel_size": pool.args.tensor_parallel_size,
-                "weight_backend": pool.weight_backend, "devices": pool.devices}
+                "weight_backend": pool.weight_backend, "devices": pool.devices,
+                "max_body_bytes": self.server.max_body_bytes}
 
     def generate(self, body: dict) -> dict:
         from plait.generation import SamplingParams, encode_prompts
@@ -361,7 +471,8 @@ class Handler(BaseHTTPRequestHandler):
         return self.pool.generate(ids, sampling, [int(t) for t in body.get("stop_token_ids") or []])
 
     def init_communicator(self, body: dict) -> dict:
-        self.pool.join(int(body["port"]), float(body.get("timeout", 300)))
+        # the store listens where this server does (loopback by default), never on every interface
+        self.pool.join(self.server.server_address[0], int(body["port"]), float(body.get("timeout", 300)))
         return {"world_size": self.pool.world_size + 1}
 
     def update_weights(self, body: dict) -> dict:

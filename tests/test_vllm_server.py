@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 
+import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -131,6 +132,8 @@ def test_weight_sync_over_the_side_channel_matches_the_trainer(backend, tiny):
     prompts = [tokenizer("The river")["input_ids"], CHAT]
     backend.load_weights(model)
     assert max_gap(model, backend.generate(prompts, sampling)) <= EXACT
+    assert {c.laddr.ip for c in psutil.net_connections("inet")  # the store engine worker 0 hosts: loopback only
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == backend.client.group_port} == {"127.0.0.1"}
 
     train_step(model, tokenizer)
     stale = max_gap(model, backend.generate(prompts, sampling))
