@@ -1,7 +1,8 @@
 """Start one ``plait <method>`` command on N processes: the same recipe, unchanged, on 1 or N.
 
 ``--num_processes N`` / ``--accelerate_config NAME|PATH`` relaunch the command (without those
-two flags) as ``python -m plait.cli ...`` in every process. Presets live in
+two flags) as ``python -m plait.cli ...`` in every process, which, like the ``plait`` script, never
+imports from the working directory. Presets live in
 ``plait/accelerate_configs/`` (cpu_ddp, multi_gpu, fsdp, zero1, zero2, zero3); any accelerate
 config file works too. GPU presets go through ``accelerate launch``. CPU data parallelism goes
 through ``torch.distributed.run`` instead, because ``accelerate launch --cpu`` expects mpirun and
@@ -60,6 +61,10 @@ def launch_command(argv: list[str], num_processes: int | None = None, accelerate
     if num_processes is not None and num_processes < 1:
         raise PlaitError(f"--num_processes {num_processes}: must be 1 or more")
     env = dict(os.environ if environ is None else environ)
+    # `python -m` puts the working directory first on sys.path, so a stray pluggy.py (or torch.py)
+    # there would run in every process. PYTHONSAFEPATH is `python -P` for this process and every one
+    # it starts (Python >= 3.11); the `plait` console script never looks in the working directory either.
+    env["PYTHONSAFEPATH"] = "1"
     path = preset_path(accelerate_config or (GPU_PRESET if _gpus() else CPU_PRESET))
     try:
         preset = yaml.safe_load(path.read_text()) or {}

@@ -220,3 +220,18 @@ def test_a_method_whose_validate_needs_init_is_named_in_one_line(capsys, tmp_pat
     assert error.startswith("plait: error: method 'needy' from plugin needy (") and error.count("\n") == 1
     assert error.endswith("NeedyTrainer.validate() reads self.set_by_init, which only __init__ sets; validate() must "
                           "work before __init__ runs (plait --check); report this to its authors\n")
+
+
+@pytest.mark.slow  # two processes: ~50 s on 2 busy cores
+def test_relaunched_processes_never_import_from_the_working_directory(tmp_path, monkeypatch, capfd):
+    from plait.launch import launch
+
+    # `python -m` puts the working directory first on sys.path: this pluggy.py used to run in every process
+    (tmp_path / "pluggy.py").write_text("import pathlib, os\n"
+                                        "pathlib.Path(__file__).with_name(f'imported-{os.getpid()}').touch()\n"
+                                        "raise SystemExit('the pluggy.py in the working directory ran')\n")
+    monkeypatch.chdir(tmp_path)
+    assert launch(["plugins", "--json"], num_processes=2, accelerate_config="cpu_ddp") == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pluggy.py"]
+    out = capfd.readouterr().out
+    assert out.count('"name": "dpo_sigmoid"') == 2  # each process loaded the real plugins
