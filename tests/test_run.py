@@ -245,7 +245,8 @@ def test_cpu_processes_start_through_torch_distributed_run():
     assert command == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                        "-m", "plait.cli", "sft", "--config", "r.yaml", "--beta", "1"]
     # accelerate joins CPU processes with gloo only when told to use the CPU; each gets its share of cores
-    assert env == {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 2))}
+    assert env == {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 2)),
+                   "PYTHONSAFEPATH": "1"}  # no process imports from the working directory
     assert launch_command(["sft"], 2, "cpu_ddp", environ={"OMP_NUM_THREADS": "3"})[1]["OMP_NUM_THREADS"] == "3"
     if not torch.cuda.is_available():  # no preset named: the CPU one, with its own process count
         command, _ = launch_command(["sft"], None, None)
@@ -257,7 +258,7 @@ def test_gpu_presets_start_through_accelerate_launch():
     assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
     assert command[3:7] == ["--config_file", str(PRESETS / "zero3.yaml"), "--num_processes", "4"]
     assert command[7:] == ["-m", "plait.cli", "dpo", "--config", "r.yaml"]
-    assert env == {}  # accelerate sets the GPU processes up itself
+    assert env == {"PYTHONSAFEPATH": "1"}  # accelerate sets the GPU processes up itself
 
 
 def test_an_accelerate_config_file_by_path_and_an_unknown_preset(tmp_path):
