@@ -39,7 +39,7 @@ from .importance_sampling import importance_sampling_metrics, importance_weights
 from .logprobs import token_logprobs
 from .models import Reference
 from .params import in_range, int_at_least, non_negative, one_of, positive
-from .scoring import compute_rewards, resolve_reward_funcs, reward_metrics, reward_weights
+from .scoring import UnscoredBatches, compute_rewards, resolve_reward_funcs, reward_metrics, reward_weights
 from .trainer import PlaitTrainer
 
 logger = logging.getLogger("plait")
@@ -59,6 +59,12 @@ class OnlineParams:
     reward_funcs: Any = None
     reward_weights: list | None = None
     reward_error_policy: str = attrs.field(default="fail", validator=one_of(ERROR_POLICIES))
+    # Seconds one reward call may take before reward_error_policy applies. None (no limit) keeps sync
+    # rewards in the training thread, where math-verify's own per-example timeouts work; a number
+    # runs them in a worker thread with that deadline (async ones under asyncio.wait_for).
+    reward_timeout: float | None = attrs.field(default=None, validator=_optional(positive))
+    # Generation batches in a row where no completion got a score before the run stops.
+    max_unscored_batches: int = attrs.field(default=3, validator=int_at_least(1))
     # generation
     num_generations: int = attrs.field(default=8, validator=int_at_least(2))
     generation_batch_size: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
@@ -306,6 +312,7 @@ class OnlineTrainer(PlaitTrainer):
         self._chunks: list[dict] = []
         self._shuffle = torch.Generator().manual_seed(self.args.seed)
         self._completions_table: list[dict] = []
+        self.unscored = UnscoredBatches([f.name for f in self.reward_funcs], p.max_unscored_batches)
 
     # -- data loading -------------------------------------------------------------------------
     def get_train_dataloader(self):
@@ -378,8 +385,11 @@ class OnlineTrainer(PlaitTrainer):
                        for t, pr in zip(generations.texts, prompts)]
         rewards = compute_rewards(self.reward_funcs, prompts=prompts, completions=completions,
                                   completion_ids=generations.completion_ids, columns=columns,
-                                  trainer_state=self.state, on_error=p.reward_error_policy).to(device)
+                                  trainer_state=self.state, on_error=p.reward_error_policy,
+                                  timeout=p.reward_timeout).to(device)
         everyone = self.accelerator.gather(rewards)
+        if self.model.training:
+            self.unscored.check(everyone)
         advantages = self.advantages(everyone, batch=batch, old_logps=old, ref_logps=ref)
         start = self.accelerator.process_index * n
         local = advantages[start:start + n].to(device)

@@ -9,7 +9,10 @@ A method (GRPO, RLOO, ...) does four things with this module, and names no concr
   ``pkg.module:func``, a sequence-classification reward model or its folder.
 * :func:`compute_rewards` calls every function on one batch of completions and returns
   ``[N, K]`` scores with NaN for None. Async functions run concurrently in one event loop. A
-  function that raises is called again one example at a time to name the example that fails.
+  function that raises is called again one example at a time to name the example that fails;
+  one that does not return within ``timeout`` seconds is abandoned (sync functions then run in
+  a worker thread, async ones under :func:`asyncio.wait_for`).
+* :class:`UnscoredBatches` stops a run whose rewards score nothing, batch after batch.
 * :func:`reward_metrics` gives the logged reward statistics; :func:`resolve_advantage_estimator`
   turns an advantage spec into a callable over :class:`plait.batches.Rollout`.
 
@@ -20,6 +23,8 @@ built-in reward plugins (the ``rewards/`` folder).
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import inspect
 import logging
 import math
@@ -240,27 +245,78 @@ def _event_loop() -> asyncio.AbstractEventLoop:
         return _loop.loop
 
 
-async def _gather(awaitables: list) -> list:
-    return await asyncio.gather(*awaitables, return_exceptions=True)
+class RewardTimeout(Exception):
+    """A reward call that did not return within its deadline (returned by :func:`_invoke`, not raised)."""
+
+    def __init__(self, timeout: float):
+        super().__init__(f"did not return within reward_timeout={timeout:g}s")
+        self.timeout = timeout
 
 
-def _invoke(calls: list[tuple[Callable, dict]]) -> list[Any]:
-    """Call each ``fn(**kwargs)``: sync ones here in order (math-verify's timeouts need the main
-    thread), then every awaitable concurrently in one loop. Exceptions are returned, not raised."""
+async def _gather(awaitables: list, timeout: float | None) -> list:
+    async def bounded(awaitable):
+        try:
+            return await asyncio.wait_for(awaitable, timeout)
+        except asyncio.TimeoutError:
+            return RewardTimeout(timeout)
+
+    bounded_or_not = [a if timeout is None else bounded(a) for a in awaitables]
+    return await asyncio.gather(*bounded_or_not, return_exceptions=True)
+
+
+def _call(fn: Callable, kwargs: dict, timeout: float | None) -> Any:
+    """``fn(**kwargs)``, its exception, or :class:`RewardTimeout`. With a timeout the call runs in a
+    daemon thread, which a hung reward keeps (Python cannot stop a thread) but training does not wait for."""
+    if timeout is None:
+        try:
+            return fn(**kwargs)
+        except Exception as err:  # noqa: BLE001 - attributed to the reward by the caller
+            return err
+    box: dict[str, Any] = {}
+    grad = torch.is_grad_enabled()  # grad mode is per thread: keep the caller's (no_grad in a rollout)
+
+    def run() -> None:
+        try:
+            with torch.set_grad_enabled(grad):
+                box["result"] = fn(**kwargs)
+        except BaseException as err:  # noqa: BLE001 - handed to the calling thread
+            box["error"] = err
+
+    worker = threading.Thread(target=run, name=f"plait-reward-{reward_name(fn)}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        return RewardTimeout(timeout)
+    if "error" in box:
+        if not isinstance(box["error"], Exception):
+            raise box["error"]
+        return box["error"]
+    return box["result"]
+
+
+def _invoke(calls: list[tuple[Callable, dict]], timeout: float | None = None) -> list[Any]:
+    """Call each ``fn(**kwargs)``: sync ones in order (in this thread without a timeout: math-verify's
+    own timeouts need the main thread), then every awaitable concurrently in one loop, each given
+    ``timeout`` seconds. Exceptions and :class:`RewardTimeout` are returned, not raised."""
+    global _loop
     out: list[Any] = [None] * len(calls)
     pending: dict[int, Any] = {}
     for i, (fn, kwargs) in enumerate(calls):
-        try:
-            result = fn(**kwargs)
-        except Exception as err:  # noqa: BLE001 - attributed to the reward by the caller
-            out[i] = err
-            continue
+        result = _call(fn, kwargs, timeout)
         if inspect.isawaitable(result):
             pending[i] = result
         else:
             out[i] = result
     if pending:
-        results = asyncio.run_coroutine_threadsafe(_gather(list(pending.values())), _event_loop()).result()
+        future = asyncio.run_coroutine_threadsafe(_gather(list(pending.values()), timeout), _event_loop())
+        try:
+            # wait_for cannot fire while a coroutine blocks the loop itself (time.sleep in an async def)
+            results = future.result(None if timeout is None else timeout + 1.0)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            with _loop_lock:
+                _loop = None  # that loop is stuck: the next batch gets a fresh one
+            results = [RewardTimeout(timeout)] * len(pending)
         for i, result in zip(pending, results):
             if isinstance(result, BaseException) and not isinstance(result, Exception):
                 raise result
@@ -308,12 +364,34 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
-def _after_failure(func: RewardFunction, kwargs: dict, n: int, error: Exception, on_error: str) -> list[Any]:
+timeouts: collections.Counter[str] = collections.Counter()  # reward name -> calls abandoned in this process
+
+
+def _after_timeout(func: RewardFunction, n: int, error: RewardTimeout, on_error: str) -> list[None]:
+    """A reward that did not return in time: stop the run, or score the whole batch None."""
+    if on_error == "fail":
+        raise PlaitError(
+            f"reward {func.name!r} did not return within reward_timeout={error.timeout:g}s on a batch of {n} "
+            "completions; make it faster, raise reward_timeout, or set reward_error_policy='none' to score such "
+            "batches as None"
+        ) from None
+    timeouts[func.name] += 1
+    logger.warning(
+        "plait: reward %r did not return within reward_timeout=%gs on a batch of %d completions; scored as None "
+        "(reward_error_policy 'none'; %d time(s) so far)", func.name, error.timeout, n, timeouts[func.name],
+    )
+    return [None] * n
+
+
+def _after_failure(func: RewardFunction, kwargs: dict, n: int, error: Exception, on_error: str,
+                   timeout: float | None = None) -> list[Any]:
     """Re-run a failed reward one example at a time: name the example that fails, and under
     ``on_error='none'`` score it None while the others keep their scores."""
     if isinstance(error, PlaitError):  # a configuration problem (a missing column, say), not an example
         raise error
-    results = _invoke([(func.fn, _one_example(kwargs, i, n)) for i in range(n)])
+    if isinstance(error, RewardTimeout):  # n more calls would each wait for the deadline too
+        return _after_timeout(func, n, error, on_error)
+    results = _invoke([(func.fn, _one_example(kwargs, i, n)) for i in range(n)], timeout)
     failed = [(i, r) for i, r in enumerate(results) if isinstance(r, Exception)]
     for _, err in failed:
         if isinstance(err, PlaitError):
@@ -348,6 +426,7 @@ def compute_rewards(
     columns: Mapping[str, Sequence[Any]] | None = None,
     trainer_state: Any = None,
     on_error: str = "fail",
+    timeout: float | None = None,
 ) -> Tensor:
     """Score N completions with K reward functions: a float32 ``[N, K]`` tensor, NaN for None.
 
@@ -360,9 +439,16 @@ def compute_rewards(
     (the original exception chained); ``"none"`` scores the failing examples as None and logs a
     warning once per reward and exception type. A reward that raises ``PlaitError`` or returns
     the wrong number of values always fails.
+
+    ``timeout``: seconds each reward call may take (None: no limit). A call that takes longer is
+    abandoned and handled by ``on_error``: ``"fail"`` raises naming the reward and the timeout,
+    ``"none"`` scores that reward None for the whole batch and warns with a running count.
     """
     if on_error not in ON_ERROR:
         raise PlaitError(f"on_error={on_error!r} is not valid; use 'fail' or 'none'")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                                or not 0 < timeout < math.inf):
+        raise PlaitError(f"reward_timeout={timeout!r} must be a number of seconds > 0, or None for no limit")
     n = len(completions)
     columns = dict(columns or {})
     clash = sorted(set(columns) & set(RESERVED))
@@ -373,12 +459,46 @@ def compute_rewards(
             raise PlaitError(f"{name} has {len(values)} values for {n} completions; give one per completion")
     kwargs = {"prompts": list(prompts), "completions": list(completions), "completion_ids": list(completion_ids),
               "trainer_state": trainer_state, **{k: list(v) for k, v in columns.items()}}
-    results = _invoke([(func.fn, dict(kwargs)) for func in funcs])
+    results = _invoke([(func.fn, dict(kwargs)) for func in funcs], timeout)
     scores = torch.full((n, len(funcs)), math.nan, dtype=torch.float32)
     for k, (func, result) in enumerate(zip(funcs, results)):
-        values = _after_failure(func, kwargs, n, result, on_error) if isinstance(result, Exception) else result
+        values = _after_failure(func, kwargs, n, result, on_error, timeout) if isinstance(result, Exception) else result
         scores[:, k] = torch.tensor(_column(func, values, n), dtype=torch.float32)
     return scores
+
+
+@attrs.define
+class UnscoredBatches:
+    """Watches generation batches for ones where no completion got a score (every reward None or NaN).
+
+    Such a batch carries no learning signal (every advantage is 0), so it is warned about with the
+    reward names, and ``limit`` of them in a row stop the run: rewards that cannot score these
+    completions at all (a column they need is missing, a format they do not parse, a judge that is
+    down) would otherwise let a run train on nothing until it ends.
+    """
+
+    names: Sequence[str]
+    limit: int
+    in_a_row: int = 0
+
+    def check(self, rewards: Tensor) -> None:
+        """Count one generation batch's ``[N, K]`` scores (all processes'); raise at the limit."""
+        if rewards.numel() and not rewards.isnan().all():
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        what = (f"every reward ({', '.join(self.names)}) returned None or NaN for all {rewards.shape[0]} "
+                "completions")
+        if self.in_a_row >= self.limit:
+            raise PlaitError(
+                f"no completion got a score in {self.in_a_row} generation batches in a row: {what}; check that the "
+                "rewards can score these completions (the dataset columns they read, the completion format, a "
+                "service they call, reward_timeout) or raise max_unscored_batches"
+            )
+        logger.warning(
+            "plait: no completion of this generation batch got a score: %s; it trains on nothing "
+            "(%d batch(es) in a row; the run stops at max_unscored_batches=%d)", what, self.in_a_row, self.limit,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
