@@ -8,7 +8,10 @@ a judge that hangs, a blocking call inside an async function).
 import asyncio
 import logging
 import math
+import os
 import pathlib
+import subprocess
+import sys
 import threading
 import time
 
@@ -23,6 +26,7 @@ from plait.testing.tiny_model import tiny_model_path
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "examples" / "data" / "demo_sft.jsonl"
 PROMPTS = datasets.load_dataset("json", data_files=str(DATA), split="train").select(range(16)).remove_columns("completion")
+PLAIT = pathlib.Path(sys.executable).parent / "plait"  # the console script installed beside this python
 METHODS = {"grpo": (plait.GRPOConfig, plait.GRPOTrainer), "rloo": (plait.RLOOConfig, plait.RLOOTrainer)}
 
 
@@ -104,6 +108,32 @@ def test_a_hung_reward_fails_the_run_within_seconds_naming_it(reward):
     message = str(err.value)
     assert f"reward {reward.__name__!r} did not return within reward_timeout=1s on a batch of 8" in message
     assert "reward_error_policy='none'" in message
+
+
+def test_the_plait_command_with_a_hung_reward_exits_non_zero_within_seconds(tmp_path):
+    (tmp_path / "judge.py").write_text(
+        "import time\n\ndef hangs(completions, **kwargs):\n    time.sleep(600)\n    return [1.0] * len(completions)\n"
+    )
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(f"""method: grpo
+dataset: {{path: json, data_files: {DATA}}}
+reward_funcs: ["judge:hangs"]
+training:
+  output_dir: {tmp_path / "out"}
+  num_generations: 4
+  per_device_train_batch_size: 8
+  max_completion_length: 4
+  max_steps: 2
+  reward_timeout: 1
+  save_strategy: "no"
+  report_to: none
+""")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([str(PLAIT), "grpo", "--config", str(recipe), "--model", str(tiny_model_path())],
+                            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert result.returncode != 0
+    assert "reward 'hangs' did not return within reward_timeout=1s" in result.stderr
+    assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
 def test_a_hung_reward_under_policy_none_scores_none_and_training_goes_on(caplog):
