@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import attrs
 import torch
@@ -197,6 +197,68 @@ class GroupSampler(Sampler[int]):
 
 
 # ---------------------------------------------------------------------------------------------
+# The rollout buffer
+# ---------------------------------------------------------------------------------------------
+
+
+class RolloutBuffer:
+    """One rollout served as micro-batches, and where the run stands in it.
+
+    A fresh rollout is sampled every ``micro_steps × passes`` micro-steps; each pass over it
+    starts with a reshuffle, ``split(rollout, micro_steps, generator)``, into ``micro_steps``
+    micro-batches. A checkpoint may fall anywhere in a rollout (``save_steps`` is the user's to
+    choose), so :meth:`state_dict` holds the position, the shuffle generator and, mid-rollout,
+    the rollout itself: resuming serves the same micro-batches an uninterrupted run would have.
+    """
+
+    def __init__(self, micro_steps: int, passes: int, split: Callable[[dict, int, torch.Generator], list[dict]],
+                 seed: int):
+        self.micro_steps, self.passes, self.split = micro_steps, passes, split
+        self.step = 0  # micro-steps served so far
+        self.rollout: dict | None = None
+        self.chunks: list[dict] = []
+        self.generator = torch.Generator().manual_seed(seed)
+        self._pass_start = self.generator.get_state()  # the generator as this pass's shuffle found it
+
+    @property
+    def per_rollout(self) -> int:
+        return self.micro_steps * self.passes
+
+    def next(self, sample: Callable[[], dict]) -> dict:
+        """The next micro-batch; ``sample()`` is called when a new rollout is due."""
+        if self.step % self.per_rollout == 0:
+            self.rollout = sample()
+        if self.step % self.micro_steps == 0:  # a fresh shuffle for every pass over the rollout
+            self._reshuffle()
+        chunk = self.chunks[self.step % self.micro_steps]
+        self.step += 1
+        return chunk
+
+    def _reshuffle(self) -> None:
+        self._pass_start = self.generator.get_state()
+        self.chunks = self.split(self.rollout, self.micro_steps, self.generator)
+
+    def state_dict(self) -> dict:
+        """The position, the generator and (mid-rollout) the rollout on the CPU; mid-pass the
+        generator is saved as the pass found it, so the same shuffle is cut again on load."""
+        mid_pass = self.step % self.micro_steps != 0
+        state = {"step": self.step, "generator": self._pass_start if mid_pass else self.generator.get_state()}
+        if self.step % self.per_rollout:
+            state["rollout"] = {k: v.cpu() if torch.is_tensor(v) else v for k, v in self.rollout.items()}
+        return state
+
+    def load_state_dict(self, state: dict, device) -> None:
+        self.step = state["step"]
+        self.generator.set_state(state["generator"])
+        rollout = state.get("rollout")
+        self.rollout = None if rollout is None else {k: v.to(device) if torch.is_tensor(v) else v
+                                                     for k, v in rollout.items()}
+        self.chunks = []
+        if self.step % self.micro_steps:
+            self._reshuffle()
+
+
+# ---------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------
 
@@ -307,10 +369,7 @@ class OnlineTrainer(PlaitTrainer):
         self.backend = factory(self.model, self.processing_class, self.args)
         self.backend.start()
         self._synced_step = -1
-        self._micro_step = 0
-        self._buffer: dict | None = None
-        self._chunks: list[dict] = []
-        self._shuffle = torch.Generator().manual_seed(self.args.seed)
+        self.buffer = RolloutBuffer(self.sizes.steps_per_generation, p.num_iterations, _split, self.args.seed)
         self._completions_table: list[dict] = []
         self.unscored = UnscoredBatches([f.name for f in self.reward_funcs], p.max_unscored_batches)
 
@@ -338,14 +397,14 @@ class OnlineTrainer(PlaitTrainer):
     def _prepare_inputs(self, inputs):
         if not self.model.training:  # evaluation: a fresh rollout, scored and used once
             return self.rollout(inputs)
-        spg, iterations = self.sizes.steps_per_generation, self.args.params.num_iterations
-        if self._micro_step % (spg * iterations) == 0:
-            self._buffer = self.rollout(inputs)
-        if self._micro_step % spg == 0:  # a fresh shuffle for every pass over the buffer
-            self._chunks = _split(self._buffer, spg, self._shuffle)
-        chunk = self._chunks[self._micro_step % spg]
-        self._micro_step += 1
-        return chunk
+        return self.buffer.next(lambda: self.rollout(inputs))
+
+    def resume_state(self) -> dict:
+        return {"buffer": self.buffer.state_dict(), "num_tokens": getattr(self, "_tokens_seen", 0)}
+
+    def load_resume_state(self, state: dict) -> None:
+        self.buffer.load_state_dict(state["buffer"], self.accelerator.device)
+        self._tokens_seen = state["num_tokens"]
 
     def needs_old_logps(self) -> bool:
         """Does the policy change while the buffer is in use? (then ratios need π_old)."""

@@ -29,6 +29,7 @@ from .models import load_model, load_tokenizer, wrap_peft
 
 logger = logging.getLogger("plait")
 METADATA_FILE = "plait_run.json"
+RESUME_STATE_FILE = "plait_resume_state_{}.pt"  # per process, like the Trainer's rng_state_N.pth
 
 
 class PlaitTrainer(Trainer):
@@ -174,6 +175,36 @@ class PlaitTrainer(Trainer):
                 self.state.best_model_checkpoint = final
             rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
         self.accelerator.wait_for_everyone()
+
+    # -- exact resume: what a method keeps beyond weights, optimizer, scheduler and RNG ---------
+    def resume_state(self) -> dict[str, Any]:
+        """This process's training state the Trainer does not save (a rollout buffer, running
+        counters); empty when the method keeps none. Saved in every checkpoint."""
+        return {}
+
+    def load_resume_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`resume_state` returned, before the first resumed micro-step."""
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        # The Trainer saves each process's RNG here; the method's own state travels beside it.
+        super()._save_rng_state(output_dir)
+        state = self.resume_state()
+        if state:
+            torch.save(state, os.path.join(output_dir, RESUME_STATE_FILE.format(self.args.process_index)))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        # The Trainer restores the RNG once per resume, right before the first resumed step: the
+        # moment the method's state must be back too.
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, RESUME_STATE_FILE.format(self.args.process_index))
+        if not os.path.isfile(path):
+            if self.resume_state():
+                logger.warning(f"{checkpoint} has no {os.path.basename(path)} (written by an older plait?); the "
+                               "run resumes with fresh rollouts and counters and will not match an uninterrupted run")
+            return
+        self.load_resume_state(torch.load(path, weights_only=True))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)

@@ -22,7 +22,7 @@ from plait import PlaitError
 from plait.chat import is_conversational
 from plait.data import prepare_dataset
 from plait.generation import Generations, SamplingParams
-from plait.online import GroupSampler, format_table, prompt_text
+from plait.online import GroupSampler, RolloutBuffer, format_table, prompt_text
 from plait.params import in_range, positive
 from plait.trainer import PlaitTrainer
 
@@ -115,10 +115,7 @@ class OnPolicyTrainer(PlaitTrainer):
         self.backend = factory(self.policy_module(), self.processing_class, self.args)
         self.backend.start()
         self._synced_step = -1
-        self._micro_step = 0
-        self._buffer: dict | None = None
-        self._chunks: list[dict] = []
-        self._shuffle = torch.Generator().manual_seed(self.args.seed)
+        self.buffer = RolloutBuffer(self.micro_steps, self.passes, split_rows, self.args.seed)
         self._completions_table: list[dict] = []
 
     # -- data loading -------------------------------------------------------------------------
@@ -144,14 +141,13 @@ class OnPolicyTrainer(PlaitTrainer):
     def _prepare_inputs(self, inputs):
         if not self.model.training:  # evaluation: a fresh rollout, used once
             return self.rollout(inputs)
-        per_rollout = self.micro_steps * self.passes
-        if self._micro_step % per_rollout == 0:
-            self._buffer = self.rollout(inputs)
-        if self._micro_step % self.micro_steps == 0:  # a fresh shuffle for every pass over the buffer
-            self._chunks = split_rows(self._buffer, self.micro_steps, self._shuffle)
-        chunk = self._chunks[self._micro_step % self.micro_steps]
-        self._micro_step += 1
-        return chunk
+        return self.buffer.next(lambda: self.rollout(inputs))
+
+    def resume_state(self) -> dict:
+        return {"buffer": self.buffer.state_dict()}
+
+    def load_resume_state(self, state: dict) -> None:
+        self.buffer.load_state_dict(state["buffer"], self.accelerator.device)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)

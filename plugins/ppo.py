@@ -319,7 +319,9 @@ class PPOTrainer(OnPolicyTrainer):
             self.reference = Reference.adapters_disabled()  # the policy with adapters off: no second copy
         else:
             self.reference = Reference.for_policy(model, ref_model, p.ref_model_init_kwargs)
-        self.value_model = _load_value_model(self._value_source(model, value_model, p), p.model_init_kwargs)
+        with torch.random.fork_rng(devices=[]):  # a new scalar head is drawn from args.seed, not the caller's RNG
+            torch.manual_seed(args.seed)
+            self.value_model = _load_value_model(self._value_source(model, value_model, p), p.model_init_kwargs)
         if self.value_model.config.get_text_config().vocab_size != model.config.get_text_config().vocab_size:
             raise PlaitError("value_model has a different vocabulary than the policy; it reads the policy's tokens, so "
                              "it must share the policy's tokenizer")
@@ -352,14 +354,18 @@ class PPOTrainer(OnPolicyTrainer):
         self.model = self.model_wrapped = PolicyAndValue(self._policy, self.value_model)
         if self.reference.model is not None:
             self.reference.model = self.accelerator.prepare_model(self.reference.model, evaluation_mode=True)
+        self.kl_controller = self._kl_controller()
+        self.loss_is_scaled_for_ga = False  # the losses are means over a micro-batch: the Trainer divides by GA
+        if self._max_steps is not None:
+            self.args.max_steps = self._max_steps
+
+    def _kl_controller(self) -> KLController:
+        """The KL controller among the callbacks, else a fixed ``kl_coef``."""
         controllers = [c for c in self.callback_handler.callbacks if isinstance(c, KLController)]
         if len(controllers) > 1:
             names = [type(c).__name__ for c in controllers]
             raise PlaitError(f"{len(controllers)} KL controllers are attached ({names}); keep one")
-        self.kl_controller = controllers[0] if controllers else KLController(p.kl_coef)
-        self.loss_is_scaled_for_ga = False  # the losses are means over a micro-batch: the Trainer divides by GA
-        if self._max_steps is not None:
-            self.args.max_steps = self._max_steps
+        return controllers[0] if controllers else KLController(self.args.params.kl_coef)
 
     def sampling_params(self):
         p = self.args.params
@@ -492,6 +498,18 @@ class PPOTrainer(OnPolicyTrainer):
         return (loss, None) if return_outputs else loss
 
     # -- checkpoints: the policy as usual, the value model beside it ---------------------------
+    def resume_state(self) -> dict:
+        # The KL coefficient an adaptive controller has reached is run state, like the episode count.
+        return {**super().resume_state(), "episode": getattr(self, "_episodes", 0),
+                "kl_coef": self.kl_controller.kl_coef}
+
+    def load_resume_state(self, state: dict) -> None:
+        super().load_resume_state(state)
+        self._episodes = state["episode"]
+        # restore_callback_states_from_checkpoint may have replaced the controller: use the attached one
+        self.kl_controller = self._kl_controller()
+        self.kl_controller.kl_coef = state["kl_coef"]
+
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         output_dir = output_dir or self.args.output_dir
         wrapper, self.model = self.model, self._policy

@@ -1,0 +1,233 @@
+"""Exact resume for the methods that learn from their own samples (GRPO, RLOO, PPO, distillation).
+
+Each test trains N steps straight through, and again with the run cut after a checkpoint and
+resumed from it in a fresh trainer: the final weights must be bit-identical (max |Δ| = 0.0) and
+the running counters (num_tokens, episode) must carry on. The checkpoints are placed on purpose
+in the middle of a rollout (and of a pass over it), across epoch boundaries, with
+steps_per_generation > 1 and num_iterations > 1. GRPO goes through the real path a user takes:
+the installed ``plait`` command, killed with SIGKILL mid-rollout, then ``--resume_from_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from datasets import Dataset
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+import plait
+from plait.plugins.distill import DistillConfig, DistillTrainer
+from plait.plugins.ppo import PPOConfig, PPOTrainer
+from plait.testing.tiny_model import tiny_model_path
+
+PLAIT = Path(sys.executable).parent / "plait"  # the console script installed beside this python
+WORDS = ("The river", "A good answer", "What is 7 plus 5?", "Python is", "The weather today", "Numbers such as",
+         "The children", "Nobody could")
+COMMON = dict(learning_rate=1e-2, max_steps=6, save_strategy="steps", save_steps=3, logging_steps=1,
+              report_to="none", disable_tqdm=True, seed=0)
+
+
+def low_tokens(completion_ids, **kwargs):
+    """A reward that varies between completions: the number of tokens with id < 100."""
+    return [float(sum(t < 100 for t in ids)) for ids in completion_ids]
+
+
+def prompts(n: int) -> Dataset:
+    return Dataset.from_list([{"prompt": w} for w in WORDS[:n]])
+
+
+class StopAt(TrainerCallback):
+    """Ends the run right after step ``step`` (its checkpoint written), as a crash there would."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step == self.step
+
+
+def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    found = {f"policy.{k}": v for k, v in load_file(checkpoint / "model.safetensors").items()}
+    value = checkpoint / "value_model" / "model.safetensors"  # PPO's value model is trained too
+    if value.exists():
+        found.update({f"value.{k}": v for k, v in load_file(value).items()})
+    return found
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def history(checkpoint: Path, key: str) -> list:
+    log = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
+    return [(h["step"], h[key]) for h in log if key in h]
+
+
+def straight_and_resumed(tmp_path: Path, build, stop: int, steps: int = 6) -> tuple[Path, Path]:
+    """Train ``build(output_dir)`` straight; again stopped after ``stop`` and resumed by a new trainer."""
+    build(tmp_path / "straight").train()
+    cut = build(tmp_path / "cut")
+    cut.add_callback(StopAt(stop))
+    cut.train()
+    assert sorted(p.name for p in (tmp_path / "cut").glob("checkpoint-*")) == [f"checkpoint-{stop}"]
+    build(tmp_path / "cut").train(resume_from_checkpoint=str(tmp_path / "cut" / f"checkpoint-{stop}"))
+    return tmp_path / "straight" / f"checkpoint-{steps}", tmp_path / "cut" / f"checkpoint-{steps}"
+
+
+def assert_same_run(straight: Path, resumed: Path, method: str, counters: tuple[str, ...]) -> None:
+    difference = max_difference(weights(straight), weights(resumed))
+    print(f"{method}: max |weight difference| straight vs resumed = {difference}")
+    assert difference == 0.0
+    assert history(resumed, "loss") == history(straight, "loss")  # every step, before and after the cut
+    for counter in counters:
+        logged = history(resumed, counter)
+        assert logged == history(straight, counter) and len(logged) >= 2 and logged[-1][1] > logged[0][1]
+
+
+# ---------------------------------------------------------------------------------------------
+# GRPO through the console script: SIGKILL mid-rollout, then --resume_from_checkpoint
+# ---------------------------------------------------------------------------------------------
+
+HANGING_REWARD = '''
+import os, time
+
+def low_tokens(completion_ids, trainer_state=None, **kwargs):
+    """low_tokens; with PLAIT_TEST_HANG_AT set, it hangs from that step on (the test kills the run there)."""
+    hang = os.environ.get("PLAIT_TEST_HANG_AT")
+    if hang and trainer_state.global_step >= int(hang):
+        open(os.environ["PLAIT_TEST_HANG_MARKER"], "w").close()
+        time.sleep(600)
+    return [float(sum(t < 100 for t in ids)) for ids in completion_ids]
+'''
+
+
+def test_grpo_killed_with_sigkill_resumes_bit_identically(tmp_path):
+    # 4 prompts × 2 generations = one generation batch of 8 = one epoch; steps_per_generation 2 ×
+    # num_iterations 2 → each rollout serves 4 optimizer steps. The checkpoint at step 3 is in the
+    # middle of the first rollout's second pass; the kill lands while the second rollout (epoch 2)
+    # is being scored.
+    (tmp_path / "resume_rewards.py").write_text(HANGING_REWARD)
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": w}) + "\n" for w in WORDS[:4]))
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "method": "grpo", "model": str(tiny_model_path()),
+        "dataset": {"path": "json", "data_files": "prompts.jsonl"},
+        "reward_funcs": ["resume_rewards:low_tokens"],
+        "training": {**COMMON, "per_device_train_batch_size": 4, "num_generations": 2, "steps_per_generation": 2,
+                     "num_iterations": 2, "beta": 0.04, "max_completion_length": 6},
+    }))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+
+    def plait_grpo(output: Path, *extra: str, **more_env: str):
+        command = [str(PLAIT), "grpo", "--config", str(recipe), "--output_dir", str(output), *extra]
+        return subprocess.Popen(command, env={**env, **more_env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+
+    def finish(process) -> str:
+        out, _ = process.communicate(timeout=600)
+        assert process.returncode == 0, out[-3000:]
+        return out
+
+    finish(plait_grpo(tmp_path / "straight"))
+
+    marker = tmp_path / "hanging"
+    killed = plait_grpo(tmp_path / "killed", PLAIT_TEST_HANG_AT="4", PLAIT_TEST_HANG_MARKER=str(marker))
+    deadline = time.monotonic() + 600
+    while not marker.exists():
+        assert killed.poll() is None, killed.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the run never reached step 5"
+        time.sleep(0.2)
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.communicate()
+    assert killed.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in (tmp_path / "killed").glob("checkpoint-*")) == ["checkpoint-3"]
+
+    finish(plait_grpo(tmp_path / "killed", "--resume_from_checkpoint", str(tmp_path / "killed" / "checkpoint-3")))
+    assert_same_run(tmp_path / "straight" / "checkpoint-6", tmp_path / "killed" / "checkpoint-6", "grpo",
+                    ("num_tokens",))
+    final = {k: load_file(tmp_path / run / "model.safetensors") for k, run in (("a", "straight"), ("b", "killed"))}
+    assert max_difference(final["a"], final["b"]) == 0.0  # the saved model, too
+
+
+# ---------------------------------------------------------------------------------------------
+# RLOO, PPO and distillation: stopped after a checkpoint, resumed by a fresh trainer
+# ---------------------------------------------------------------------------------------------
+
+
+def test_rloo_resumes_bit_identically_from_a_checkpoint_mid_rollout(tmp_path):
+    # gradient_accumulation 2 = steps_per_generation, num_iterations 2: a rollout of 4 prompts × 2
+    # serves 2 optimizer steps (one epoch); the checkpoint at step 3 is between its two passes.
+    def build(output):
+        args = plait.RLOOConfig(output_dir=str(output), **COMMON, per_device_train_batch_size=4,
+                                gradient_accumulation_steps=2, num_generations=2, num_iterations=2,
+                                max_completion_length=6)
+        return plait.RLOOTrainer(str(tiny_model_path()), reward_funcs=low_tokens, args=args, train_dataset=prompts(4))
+
+    straight, resumed = straight_and_resumed(tmp_path, build, stop=3)
+    assert_same_run(straight, resumed, "rloo", ("num_tokens",))
+
+
+def test_ppo_resumes_bit_identically_with_the_value_model_and_the_kl_coefficient(tmp_path):
+    # 2 minibatches × 2 PPO epochs: a rollout of 8 prompts serves 4 optimizer steps (one epoch);
+    # the checkpoint at step 3 is in the middle of the second pass. The adaptive KL controller's
+    # coefficient moves every rollout, so it must come back from the checkpoint too.
+    def build(output):
+        args = PPOConfig(output_dir=str(output), **COMMON, per_device_train_batch_size=4, num_mini_batches=2,
+                         num_ppo_epochs=2, response_length=5, temperature=1.0, target_kl=0.01, kl_horizon=10)
+        return PPOTrainer(str(tiny_model_path()), reward_model=low_tokens, args=args, train_dataset=prompts(8))
+
+    straight, resumed = straight_and_resumed(tmp_path, build, stop=3)
+    assert_same_run(straight, resumed, "ppo", ("episode",))
+    coefs = history(resumed, "objective/kl_coef")
+    assert coefs == history(straight, "objective/kl_coef") and coefs[-1][1] != coefs[0][1]
+
+
+def noisy_teacher():
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path())
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.5)
+    return model
+
+
+def test_distill_resumes_bit_identically(tmp_path):
+    # gradient_accumulation 2: each optimizer step samples 8 prompts (the whole data set: one epoch)
+    teacher = noisy_teacher()
+
+    def build(output):
+        args = DistillConfig(output_dir=str(output), **COMMON, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2, max_completion_length=6)
+        return DistillTrainer(str(tiny_model_path()), teacher_model=teacher, args=args, train_dataset=prompts(8))
+
+    straight, resumed = straight_and_resumed(tmp_path, build, stop=3)
+    assert_same_run(straight, resumed, "distill", ())
+
+
+def test_a_resumed_run_without_saved_rollout_state_warns(tmp_path, caplog):
+    """A checkpoint without the rollout state (an older plait's) resumes, but says it is not exact."""
+    def build(output):
+        args = plait.GRPOConfig(output_dir=str(output), **{**COMMON, "max_steps": 2, "save_steps": 1},
+                                per_device_train_batch_size=4, num_generations=2, steps_per_generation=2,
+                                max_completion_length=4)
+        return plait.GRPOTrainer(str(tiny_model_path()), reward_funcs=low_tokens, args=args, train_dataset=prompts(4))
+
+    cut = build(tmp_path)
+    cut.add_callback(StopAt(1))
+    cut.train()
+    checkpoint = tmp_path / "checkpoint-1"
+    (checkpoint / "plait_resume_state_0.pt").unlink()
+    with caplog.at_level("WARNING", logger="plait"):
+        build(tmp_path).train(resume_from_checkpoint=str(checkpoint))
+    assert "has no plait_resume_state_0.pt" in caplog.text and "will not match an uninterrupted run" in caplog.text
