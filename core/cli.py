@@ -134,6 +134,12 @@ def main(argv: Sequence[str] | None = None, *, plugins: Plugins | None = None) -
         if plugins is None:
             plugins = make_plugins()
         parser = build_parser(plugins)
+        if argv and argv[0] not in BUILTIN and f"method.{argv[0]}" not in plugins.methods:
+            # `plait dpo` with dpo's plugin disabled: say by what, not argparse's "invalid choice"
+            why = plugins.why_disabled("methods", [f"method.{argv[0]}"]) or \
+                plugins.why_disabled("commands", [f"command.{argv[0]}"])
+            if why:
+                raise PlaitError(why)
         args, extra = parser.parse_known_args(argv)
         args.extra = extra
         if extra and not args._command.accepts_extra:

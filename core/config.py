@@ -24,6 +24,7 @@ import torch
 import yaml
 from transformers import TrainingArguments
 
+from . import preflight
 from .errors import PlaitError
 
 logger = logging.getLogger("plait")
@@ -62,6 +63,10 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
         fields.append((attribute.name, attribute.type or Any, spec))
     # A chassis field every method shares: the plain (full-logits) log-prob path, for comparison.
     fields.append(("chunked_logprobs", bool, dataclasses.field(default=True)))
+    # transformers 5 dropped this field; plait refuses an output_dir holding another run without it
+    fields.append(("overwrite_output_dir", bool, dataclasses.field(default=False)))
+    # also true or "latest": the newest complete checkpoint in output_dir (plait.preflight)
+    fields.append(("resume_from_checkpoint", str | bool | None, dataclasses.field(default=None)))
     own = {f[0] for f in fields}
     inherited = config_fields(TrainingArguments)
     for field_name, value in {"bf16": None, "fp16": None, "dataloader_pin_memory": None, **defaults}.items():
@@ -78,7 +83,9 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
             self.params = params(**values)
         except (TypeError, ValueError) as err:
             raise PlaitError(f"{name}: {err}") from err
+        preflight.training_numbers(self)
         TrainingArguments.__post_init__(self)
+        self.resume_from_checkpoint = preflight.resume_checkpoint(self.resume_from_checkpoint, self.output_dir)
 
     cls = dataclasses.make_dataclass(
         name, fields, bases=(TrainingArguments,), namespace={"__post_init__": __post_init__}
@@ -218,8 +225,31 @@ def parse_run_config(data: Any, source: str = "config") -> RunConfig:
     return _structure(RunConfig, data, source)
 
 
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A mapping names one key twice: YAML keeps the last silently, a recipe author meant one."""
+
+
 class _YamlLoader(yaml.SafeLoader):
-    """YAML 1.2 floats: PyYAML (YAML 1.1) reads ``learning_rate: 5e-6`` as the string '5e-6'."""
+    """YAML 1.2 floats: PyYAML (YAML 1.1) reads ``learning_rate: 5e-6`` as the string '5e-6'.
+    A key given twice in one mapping is an error naming both lines."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` overrides on purpose
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    seen = first.get(key)
+                except TypeError:  # an unhashable key: SafeLoader's own error says so
+                    continue
+                if seen is not None:
+                    raise DuplicateKeyError(None, None, f"key {key!r} is also on line {seen}; YAML would keep "
+                                            "only the last, remove one", key_node.start_mark)
+                first[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 _YamlLoader.add_implicit_resolver(

@@ -14,8 +14,10 @@ Environment switches (each also a field of the run config's ``plugins:`` section
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib.metadata
+import inspect
 import logging
 import os
 import sys
@@ -47,6 +49,15 @@ class PluginInfo:
     module: str
 
 
+@attrs.frozen
+class Disabled:
+    """An entry point left unloaded, and what the user should change to load it."""
+
+    entry_point: importlib.metadata.EntryPoint
+    by: str  # the switch that disabled it, as the user wrote it
+    fix: str
+
+
 def _env_list(name: str) -> list[str]:
     return [part.strip() for part in os.environ.get(name, "").split(",") if part.strip()]
 
@@ -58,12 +69,16 @@ def _env_flag(name: str) -> bool:
 class Plugins:
     """A pluggy manager plus the registries its plugins filled."""
 
-    def __init__(self, pm: pluggy.PluginManager, infos: dict[str, PluginInfo], trace: bool):
+    def __init__(self, pm: pluggy.PluginManager, infos: dict[str, PluginInfo], trace: bool,
+                 disabled: dict[str, Disabled] | None = None, autoload_off_by: str | None = None):
         self.pm = pm
         self.hook = pm.hook
         self.infos = infos
         self.trace = trace
+        self.disabled = disabled or {}  # entry-point name -> why it was not loaded
+        self.autoload_off_by = autoload_off_by  # the switch that turned entry-point loading off, if one did
         self._registries: dict[str, Registry] | None = None
+        self._disabled_names: dict[tuple[str, str], set[str]] = {}
 
     # -- registries ---------------------------------------------------------------------------
     @property
@@ -79,7 +94,10 @@ class Plugins:
         raise AttributeError(kind)
 
     def _collect(self) -> dict[str, Registry]:
-        registries = {kind: Registry(singular) for kind, singular in KINDS.items()}
+        note = (f"plugin autoload is off ({self.autoload_off_by}), so no installed plugin was loaded"
+                if self.autoload_off_by else "")
+        registries = {kind: Registry(singular, functools.partial(self.why_disabled, kind), note)
+                      for kind, singular in KINDS.items()}
         for kind in KINDS:
             hook = getattr(self.pm.hook, f"register_{kind}")
             for impl in hook.get_hookimpls():  # registration order (pluggy calls them in reverse)
@@ -89,6 +107,34 @@ class Plugins:
                 register = register_callback(registries[kind], impl.plugin_name, info.distribution, info.version)
                 impl.function(*[{"register": register}[arg] for arg in impl.argnames])
         return registries
+
+    def why_disabled(self, kind: str, names: list[str]) -> str | None:
+        """When a disabled plugin registers one of ``names``: which one, and what disabled it."""
+        for ep_name, disabled in self.disabled.items():
+            found = [name for name in names if name in self._registered_by(disabled.entry_point, kind)]
+            if found:
+                ep = disabled.entry_point
+                dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
+                return (f"{KINDS[kind]} {found[0]!r} comes from plugin {ep_name!r} ({dist}), which is disabled by "
+                        f"{disabled.by}; {disabled.fix}")
+        return None
+
+    def _registered_by(self, ep: importlib.metadata.EntryPoint, kind: str) -> set[str]:
+        """Names a disabled plugin would register (imported only now, to explain a failed lookup)."""
+        key = (ep.name, kind)
+        if key not in self._disabled_names:
+            names: set[str] = set()
+            try:
+                hook = getattr(ep.load(), f"register_{kind}", None)
+                if hook is not None and hasattr(hook, f"{hookspecs.PROJECT}_impl"):
+                    collect = lambda name, obj=None, **options: names.add(name)  # noqa: E731
+                    hook(**{arg: collect for arg in inspect.signature(hook).parameters if arg == "register"})
+            except KeyboardInterrupt:
+                raise
+            except BaseException:  # noqa: BLE001 - a plugin broken on import cannot explain anything
+                pass
+            self._disabled_names[key] = names
+        return self._disabled_names[key]
 
     def info(self, plugin_name: str) -> PluginInfo:
         return self.infos.get(plugin_name) or PluginInfo(plugin_name, "(not installed)", "-", plugin_name)
@@ -124,9 +170,12 @@ def make_plugins(
     ``disable``, ``autoload`` and ``on_import_error`` ("fail" or "skip") add to / override the
     environment switches documented in this module's docstring.
     """
-    blocked = set(disable) | set(_env_list("PLAIT_DISABLE_PLUGINS"))
+    by_env = _env_list("PLAIT_DISABLE_PLUGINS")
+    blocked = set(disable) | set(by_env)
+    autoload_by = "make_plugins(autoload=False) or a recipe's plugins: {autoload: false}"
     if autoload is None:
         autoload = not _env_flag("PLAIT_DISABLE_PLUGIN_AUTOLOAD")
+        autoload_by = f"PLAIT_DISABLE_PLUGIN_AUTOLOAD={os.environ.get('PLAIT_DISABLE_PLUGIN_AUTOLOAD', '')}"
     on_import_error = on_import_error or os.environ.get("PLAIT_ON_PLUGIN_ERROR", "fail")
     if on_import_error not in ("fail", "skip"):
         raise PluginLoadError(
@@ -141,11 +190,21 @@ def make_plugins(
         pm.enable_tracing()
 
     infos: dict[str, PluginInfo] = {}
+    disabled: dict[str, Disabled] = {}
     if autoload:
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        entry_points = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+        _warn_unknown(by_env, set(disable), entry_points)
+        for ep in entry_points:
             dist = ep.dist.name if ep.dist else "(unknown distribution)"
             version = ep.dist.version if ep.dist else "?"
             if ep.name in blocked or dist in blocked:
+                token = ep.name if ep.name in blocked else dist
+                if token in by_env:
+                    by = f"PLAIT_DISABLE_PLUGINS={os.environ.get('PLAIT_DISABLE_PLUGINS', '')}"
+                    fix = f"remove {token} from PLAIT_DISABLE_PLUGINS"
+                else:
+                    by, fix = "the recipe's plugins.disable (or make_plugins(disable=...))", f"remove {token} from it"
+                disabled.setdefault(ep.name, Disabled(ep, by, fix))
                 continue
             if ep.name in infos and infos[ep.name].module != ep.value:
                 raise PluginLoadError(
@@ -157,7 +216,9 @@ def make_plugins(
             try:
                 module = ep.load()
                 pm.register(module, name=ep.name)
-            except Exception as err:  # noqa: BLE001 - any import failure is reported the same way
+            except KeyboardInterrupt:
+                raise
+            except BaseException as err:  # noqa: BLE001 - SystemExit on import is a broken plugin like any other
                 message = (
                     f"plait plugin {ep.name!r} (entry point {ep.value!r}, distribution {dist} {version}) "
                     f"failed to load: {type(err).__name__}: {err}; fix or uninstall it, block it with "
@@ -171,7 +232,26 @@ def make_plugins(
     for plugin in plugins:
         pm.register(plugin)
     pm.check_pending()  # a misspelt hook name fails here, naming the plugin and the hook
-    return Plugins(pm, infos, trace)
+    return Plugins(pm, infos, trace, disabled, None if autoload else autoload_by)
+
+
+def _warn_unknown(by_env: list[str], by_argument: set[str], entry_points) -> None:
+    """A name in a disable list that no installed plugin or distribution has is likely a typo."""
+    known = {ep.name for ep in entry_points} | {ep.dist.name for ep in entry_points if ep.dist}
+    for source, names in (("PLAIT_DISABLE_PLUGINS", by_env), ("plugins.disable", sorted(by_argument))):
+        for name in names:
+            if name in known:
+                continue
+            match = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+            hint = f"did you mean {match[0]!r}?" if match else "'plait plugins' lists the installed ones"
+            _warn_once(f"plait: {source} names {name!r}, which is no installed plugin or distribution, so it "
+                       f"disables nothing; {hint}")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    """Each plugin manager a process builds would repeat the same warning."""
+    logger.warning(message)
 
 
 @functools.lru_cache(maxsize=1)

@@ -14,6 +14,7 @@ import torch
 from accelerate.utils import is_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from . import preflight
 from .errors import PlaitError
 
 logger = logging.getLogger("plait")
@@ -28,6 +29,7 @@ def load_model(model: str | PreTrainedModel, init_kwargs: dict | None = None, au
             raise PlaitError(f"model_init_kwargs={init_kwargs!r} only apply when {field} is a path or id; "
                              "load the model with them yourself or pass the path")
         return model
+    preflight.model_source(model, field, init_kwargs)
     kwargs = dict(init_kwargs or {})
     dtype = kwargs.get("dtype", kwargs.pop("torch_dtype", None))
     if isinstance(dtype, str) and dtype != "auto":
@@ -39,11 +41,18 @@ def load_model(model: str | PreTrainedModel, init_kwargs: dict | None = None, au
                          "pass a local folder with config.json and weights") from err
 
 
-def load_tokenizer(model: str | PreTrainedModel, processing_class=None):
+def load_tokenizer(model: str | PreTrainedModel, processing_class=None, field: str = "model"):
     if processing_class is not None:
         return processing_class
     source = model if isinstance(model, str) else model.config._name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    preflight.model_source(model, field)  # a bad path is named as such, not as a tokenizer problem
+    preflight.tokenizer_files(source, field)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as err:  # noqa: BLE001 - OSError, ValueError, TypeError, tokenizers' own: all mean "cannot load"
+        message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise PlaitError(f"{field}={source!r}: its tokenizer cannot be loaded ({type(err).__name__}: {message}); "
+                         "save one next to the model (tokenizer.save_pretrained(folder)) or pass processing_class") from err
     if tokenizer.pad_token is None:  # training collators need a pad id; EOS is the usual stand-in
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

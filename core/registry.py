@@ -28,6 +28,13 @@ class UnknownComponentError(PlaitError, KeyError):
         return self.args[0]
 
 
+class DisabledComponentError(PlaitError, KeyError):
+    """The name exists, in a plugin the user disabled: installing it again would not help."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 @attrs.frozen
 class Component:
     """One registered component: the object plus where it came from."""
@@ -82,9 +89,11 @@ def _close(name: str, candidates) -> str:
 class Registry:
     """Name -> :class:`Component` for one kind, with helpful errors."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, why_missing: Callable[[list[str]], str | None] | None = None, note: str = ""):
         self.kind = kind
         self._entries: dict[str, Component] = {}
+        self._why_missing = why_missing  # names -> "comes from plugin X, disabled by Y; fix" (or None)
+        self._note = note  # appended to every "unknown" error (e.g. that plugin autoload is off)
 
     def add(self, component: Component) -> None:
         if not NAME_PATTERN.match(component.name):
@@ -108,6 +117,9 @@ class Registry:
             return self._entries[name]
         if family and f"{family}.{name}" in self._entries:
             return self._entries[f"{family}.{name}"]
+        disabled = self._why_missing and self._why_missing([name, *([f"{family}.{name}"] if family else [])])
+        if disabled:
+            raise DisabledComponentError(disabled)
         # a bare variant ("sigmod") is matched against bare variants but suggested by full name
         candidates = {n: n for n in self._entries}
         if family:
@@ -115,7 +127,8 @@ class Registry:
         match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
         hint = f" (did you mean {candidates[match[0]]!r}?)" if match else ""
         available = ", ".join(sorted(self._entries)) or "none are installed"
-        raise UnknownComponentError(f"unknown {self.kind} {name!r}{hint}; available: {available}")
+        note = f"; {self._note}" if self._note else ""
+        raise UnknownComponentError(f"unknown {self.kind} {name!r}{hint}; available: {available}{note}")
 
     def family(self, prefix: str) -> list[Component]:
         return [c for n, c in sorted(self._entries.items()) if n.startswith(prefix + ".")]

@@ -28,6 +28,7 @@ import yaml
 from .cli import Command
 from .config import (PluginsSpec, RunConfig, build_method_config, check_value, config_fields, parse_run_config,
                      yaml_load)
+from . import preflight
 from .errors import PlaitError
 from .manager import Plugins, make_plugins
 from .registry import UnknownComponentError
@@ -417,7 +418,8 @@ def method_command(name: str, method=None) -> Command:
         if args.config is None and not {"model", "dataset"} <= {k.split(".")[0] for k in overrides}:
             raise PlaitError(f"plait {name}: no --config given; pass --config recipe.yaml, or --model PATH and --dataset FILE")
         config = load_recipe(args.config, overrides, method=name)
-        check_recipe(config, plugins)  # once, here: before a model loads and before N copies start
+        # once, here: before a model loads and before N copies start
+        preflight.check_inputs(config, check_recipe(config, plugins))
         if args.check:
             print(f"plait: {args.config or 'the command line'} is a valid {name} recipe")
             return 0

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from . import __version__
+from . import __version__, preflight
 from .config import config_fields
 from .errors import PlaitError
 from .logprobs import token_logprobs
@@ -101,6 +101,12 @@ class PlaitTrainer(Trainer):
 
     def make_collator(self, processing_class, args):
         raise NotImplementedError
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        """``resume_from_checkpoint=True`` (or ``"latest"``) resumes from the newest *complete*
+        checkpoint in output_dir; transformers alone would take the newest folder, finished or not."""
+        resume_from_checkpoint = preflight.resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def after_init(self) -> None:
         """Runs once the accelerator exists (prepare auxiliary models here)."""

@@ -1,6 +1,8 @@
 """Configs: method_config (TrainingArguments + attrs params) and YAML recipes with one-line errors."""
 
+import dataclasses
 import pickle
+import re
 
 import attrs
 import pytest
@@ -75,6 +77,14 @@ MALFORMED = {
                                ["training: unknown field 'learning_rat'", "did you mean 'learning_rate'"]),
     "method-param-out-of-range": (RECIPE + "training: {beta: -1}\n",
                                   ["training: ToyConfig: beta=-1 must be a number > 0"]),
+    "duplicate-key": (RECIPE + "training:\n  beta: 0.1\n  max_steps: 3\n  beta: 0.2\n",
+                      ["config.yaml: line 7 is not valid YAML", "key 'beta' is also on line 5", "remove one"]),
+    "duplicate-key-in-a-flow-mapping": (RECIPE + "peft: {r: 8, r: 16}\n",
+                                        ["line 4", "key 'r' is also on line 4"]),
+    "batch-size-zero": (RECIPE + "training: {per_device_train_batch_size: 0}\n",
+                        ["training: per_device_train_batch_size=0 must be an integer >= 1"]),
+    "learning-rate-nan": (RECIPE + "training: {learning_rate: .nan}\n",
+                          ["training: learning_rate=nan must be a finite number > 0"]),
 }
 
 
@@ -104,6 +114,12 @@ def test_a_good_recipe_loads_with_yaml_12_floats(tmp_path):
 def test_yaml_load_reads_exponents_as_floats_and_keeps_strings():
     assert yaml_load("a: 1e-5\nb: -2E+3\nc: .5e1\nd: 5.0e-6\ne: '1e-5'\nf: 1e\ng: 12") == {
         "a": 1e-5, "b": -2e3, "c": 5.0, "d": 5e-6, "e": "1e-5", "f": "1e", "g": 12}
+
+
+def test_yaml_merge_keys_may_override_what_they_merge():
+    """``<<: *defaults`` then a key of its own is an override on purpose, not a duplicate."""
+    assert yaml_load("base: &b {lr: 1, steps: 2}\nrun:\n  <<: *b\n  lr: 3\n") == {
+        "base": {"lr": 1, "steps": 2}, "run": {"lr": 3, "steps": 2}}
 
 
 def test_command_line_overrides_replace_training_fields(tmp_path):
@@ -139,6 +155,30 @@ def test_precision_left_unset_is_fp32_on_cpu(tmp_path):
 def test_method_config_rejects_out_of_range_params_naming_the_config(tmp_path):
     with pytest.raises(PlaitError, match=r"^ToyConfig: beta=0 must be a number > 0$"):
         ToyConfig(output_dir=str(tmp_path), beta=0)
+
+
+@pytest.mark.parametrize("field, value, phrase", [
+    ("per_device_train_batch_size", 0, "must be an integer >= 1"),
+    ("gradient_accumulation_steps", 0, "must be an integer >= 1"),
+    ("learning_rate", 0.0, "must be a finite number > 0"),
+    ("learning_rate", -1e-5, "must be a finite number > 0"),
+    ("learning_rate", float("inf"), "must be a finite number > 0"),
+    ("max_steps", 0, "must be a positive number of optimizer steps, or -1 to train num_train_epochs"),
+    ("num_train_epochs", -2.0, "must be a finite number >= 0"),
+    ("adam_beta2", 1.0, "must be in [0, 1)"),
+])
+def test_training_numbers_transformers_accepts_but_that_train_wrongly_are_refused(tmp_path, field, value, phrase):
+    with pytest.raises(PlaitError, match=rf"^{field}={value!r} {re.escape(phrase)}"):
+        ToyConfig(output_dir=str(tmp_path), **{field: value})
+
+
+def test_overwrite_output_dir_and_resume_latest_are_fields(tmp_path):
+    """transformers 5 has no overwrite_output_dir; resume_from_checkpoint also takes true/'latest'."""
+    assert "overwrite_output_dir" not in {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert ToyConfig(output_dir=str(tmp_path), overwrite_output_dir=True).overwrite_output_dir is True
+    with pytest.raises(PlaitError, match=r"^resume_from_checkpoint=True: output_dir .* holds no complete checkpoint"):
+        ToyConfig(output_dir=str(tmp_path), resume_from_checkpoint=True)
+    assert ToyConfig(output_dir=str(tmp_path), resume_from_checkpoint=False).resume_from_checkpoint is None
 
 
 def test_config_pickles_like_training_args_bin(tmp_path):

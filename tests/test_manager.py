@@ -18,7 +18,7 @@ import pytest
 
 import plait
 from plait.errors import PluginLoadError
-from plait.registry import DuplicateComponentError
+from plait.registry import DisabledComponentError, DuplicateComponentError, UnknownComponentError
 
 BUILTIN = [ep for ep in importlib.metadata.entry_points(group="plait") if ep.name == "dpo_sigmoid"]
 
@@ -180,6 +180,56 @@ def test_autoload_off_loads_nothing_but_hand_registered_plugins(third_party, mon
     assert module not in sys.modules
 
 
+@pytest.mark.parametrize("how", ["env", "argument"])
+def test_disabling_an_unknown_plugin_warns_with_a_close_match(third_party, monkeypatch, caplog, how):
+    third_party("fake_hinge", HINGE)
+    caplog.set_level(logging.WARNING, logger="plait")
+    typo = f"fake_hinje_{how}"  # each test its own name: the warning is given once per process
+    if how == "env":
+        monkeypatch.setenv("PLAIT_DISABLE_PLUGINS", typo)
+        plugins = plait.make_plugins()
+    else:
+        plugins = plait.make_plugins(disable=[typo])
+    assert "fake.hinge" in plugins.losses  # nothing was disabled
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    source = "PLAIT_DISABLE_PLUGINS" if how == "env" else "plugins.disable"
+    assert f"{source} names '{typo}', which is no installed plugin or distribution" in warning
+    assert "did you mean 'fake_hinge'?" in warning
+
+
+def test_disabling_a_plugin_by_its_distribution_name_gives_no_warning(third_party, caplog):
+    third_party("fake_hinge", HINGE)
+    caplog.set_level(logging.WARNING, logger="plait")
+    assert "fake.hinge" not in plait.make_plugins(disable=["plait-fake"]).losses
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("how", ["env", "argument", "distribution"])
+def test_a_component_of_a_disabled_plugin_says_it_is_disabled_and_by_what(third_party, monkeypatch, how):
+    module = third_party("fake_hinge", HINGE)
+    if how == "env":
+        monkeypatch.setenv("PLAIT_DISABLE_PLUGINS", "other,fake_hinge")
+        plugins, by, fix = plait.make_plugins(), "PLAIT_DISABLE_PLUGINS=other,fake_hinge", "remove fake_hinge from PLAIT_DISABLE_PLUGINS"
+    else:
+        token = "fake_hinge" if how == "argument" else "plait-fake"
+        plugins, by, fix = plait.make_plugins(disable=[token]), "the recipe's plugins.disable", f"remove {token} from it"
+    assert module not in sys.modules  # disabling still means not imported, until a lookup needs the reason
+    with pytest.raises(DisabledComponentError) as err:
+        plugins.losses.get("hinge", family="fake")
+    message = str(err.value)
+    assert message.startswith("loss 'fake.hinge' comes from plugin 'fake_hinge' (plait-fake 1.2.3), which is disabled by ")
+    assert by in message and fix in message
+    with pytest.raises(UnknownComponentError, match="unknown loss 'fake.other'"):  # other names: the usual error
+        plugins.losses.get("fake.other")
+
+
+def test_with_autoload_off_an_unknown_name_says_no_plugin_was_loaded(monkeypatch):
+    monkeypatch.setenv("PLAIT_DISABLE_PLUGIN_AUTOLOAD", "1")
+    with pytest.raises(UnknownComponentError) as err:
+        plait.make_plugins().losses.get("dpo.sigmoid")
+    assert "plugin autoload is off (PLAIT_DISABLE_PLUGIN_AUTOLOAD=1), so no installed plugin was loaded" in str(err.value)
+
+
 # -- import errors --------------------------------------------------------------------------------
 
 
@@ -223,6 +273,24 @@ def test_skip_policy_warns_and_loads_the_others(third_party, monkeypatch, caplog
     assert not plugins.pm.has_plugin("broken")
     [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert "'broken'" in warning.getMessage() and "plait-broken 0.0.1" in warning.getMessage()
+
+
+@pytest.mark.parametrize("source, shown", [
+    ("import sys\nsys.exit(3)\n", "SystemExit: 3"),
+    ("class Abort(BaseException):\n    pass\n\nraise Abort('cannot run here')\n", "Abort: cannot run here"),
+], ids=["SystemExit", "BaseException"])
+def test_plugin_raising_a_base_exception_on_import_is_reported_like_any_broken_plugin(third_party, source, shown):
+    third_party("quitter", source, dist="plait-quitter", version="0.2")
+    with pytest.raises(PluginLoadError) as err:
+        plait.make_plugins()
+    assert "'quitter'" in str(err.value) and "plait-quitter 0.2" in str(err.value) and shown in str(err.value)
+    assert plait.make_plugins(on_import_error="skip").losses.names() == ["dpo.sigmoid"]
+
+
+def test_keyboard_interrupt_during_a_plugin_import_still_interrupts(third_party):
+    third_party("interrupted", "raise KeyboardInterrupt\n")
+    with pytest.raises(KeyboardInterrupt):
+        plait.make_plugins()
 
 
 def test_unknown_import_error_policy_is_rejected():

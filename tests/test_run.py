@@ -148,7 +148,8 @@ def test_recipe_of_another_method_and_missing_recipe(recipe, capsys, tmp_path):
 
 
 def test_check_validates_without_loading_a_model(recipe, capsys):
-    assert main(["dpo", "--config", str(recipe), "--check", "--beta", "0.3"]) == 0  # model 'some/model' does not exist
+    # the model's folder and tokenizer are checked (plait.preflight), its weights are not loaded
+    assert main(["dpo", "--config", str(recipe), "--check", "--beta", "0.3", "--model", str(tiny_model_path())]) == 0
     assert capsys.readouterr().out == f"plait: {recipe} is a valid dpo recipe\n"
 
 
@@ -214,7 +215,8 @@ def toy_plugins():
 
 def test_reward_funcs_flag_reaches_a_third_party_online_method(data_file, capsys):
     plugins = toy_plugins()
-    argv = ["toy", "--model", "m", "--dataset", str(data_file), "--reward_funcs", "length", "my_pkg.rewards:exact"]
+    argv = ["toy", "--model", str(tiny_model_path()), "--dataset", str(data_file), "--reward_funcs", "length",
+            "my_pkg.rewards:exact"]
     assert main([*argv, "--check"], plugins=plugins) == 0
     config = load_recipe(None, override_values(parse_overrides(argv[1:]), ToyConfig, "plait toy"), method="toy")
     assert config.reward_funcs == ["length", "my_pkg.rewards:exact"]

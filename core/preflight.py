@@ -1,0 +1,432 @@
+"""Pre-flight checks: every input a user owns, refused in one line before any weights load.
+
+One function per input. ``plait <method> --config r.yaml --check`` runs them all through
+:func:`check_inputs` (after :func:`plait.run.check_recipe` has checked names and types); the
+Python API reaches the same functions where it needs them: :func:`model_source` from
+:func:`plait.models.load_model`, :func:`training_numbers` and :func:`resume_checkpoint` from
+every method Config's ``__post_init__``. Each failure is a :class:`~plait.errors.PlaitError`
+naming the field, the value and the fix; none of these checks reads model weights.
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import glob
+import io
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+from .errors import PlaitError
+
+RUN_METADATA = "plait_run.json"  # written by PlaitTrainer next to every saved model and checkpoint
+TRAINER_STATE = "trainer_state.json"  # transformers writes it last into a checkpoint
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.gguf", "*.pt", "*.pth")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+# Fields that may differ when the same run is resumed or rerun (also from a moved folder).
+RESTART_FIELDS = ("resume_from_checkpoint", "overwrite_output_dir", "output_dir")
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and tokenizers
+# ---------------------------------------------------------------------------------------------
+
+
+def model_source(model: Any, field: str = "model", init_kwargs: dict | None = None) -> None:
+    """A local model folder holds a readable config.json and weights; a hub id is in the cache
+    when the hub is offline. Model instances pass as given."""
+    if not isinstance(model, str):
+        return
+    path = os.path.expanduser(model)
+    if os.path.isfile(path):
+        raise PlaitError(f"{field}={model!r} is a file; pass the folder that holds config.json and the weights "
+                         "(a run's output_dir, or a folder written by save_pretrained)")
+    if os.path.isdir(path):
+        _model_folder(path, model, field, init_kwargs or {})
+        return
+    if not HUB_ID.match(model) or model.startswith((".", "/", "~")):
+        raise PlaitError(f"{field}={model!r}: no such folder; fix the path (a recipe's ./ and ../ paths are "
+                         "relative to the recipe file, others to the working directory)")
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not constants.is_offline_mode():
+        return  # a hub id: from_pretrained downloads it
+    cached = try_to_load_from_cache(model, "config.json")
+    if not isinstance(cached, str):
+        raise PlaitError(f"{field}={model!r}: no such folder, and no hub model of that name in the local cache "
+                         f"(HF_HUB_OFFLINE=1 forbids downloading); fix the path, or download it once with "
+                         f"'hf download {model}'")
+    _config_json(Path(cached), model, field)
+
+
+def _model_folder(path: str, model: str, field: str, init_kwargs: dict) -> None:
+    folder = Path(path)
+    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        return  # a PEFT adapter folder: transformers loads its base model through peft
+    if not (folder / "config.json").is_file():
+        checkpoints = sorted((p.name for p in folder.iterdir() if CHECKPOINT.match(p.name)), key=_step)
+        hint = f"; did you mean its {checkpoints[-1]}?" if checkpoints else \
+            "; pass a folder written by save_pretrained (config.json and weights), or a hub id"
+        raise PlaitError(f"{field}={model!r} is a folder without a model (no config.json){hint}")
+    _config_json(folder / "config.json", model, field)
+    if init_kwargs.get("gguf_file") is None and not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
+        raise PlaitError(f"{field}={model!r} has config.json but no weights (*.safetensors or pytorch_model.bin); "
+                         "copy the weight files into it, or pass the folder that has them")
+
+
+def _config_json(config: Path, model: str, field: str) -> None:
+    try:
+        data = json.loads(config.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise PlaitError(f"{field}={model!r}: {config} is not UTF-8 (byte {err.start}); restore the file from "
+                         "the original model") from err
+    except json.JSONDecodeError as err:
+        raise PlaitError(f"{field}={model!r}: {config} is not valid JSON (line {err.lineno}, column {err.colno}: "
+                         f"{err.msg}); restore the file from the original model") from err
+    if not isinstance(data, dict):
+        raise PlaitError(f"{field}={model!r}: {config} holds a JSON {type(data).__name__}, not an object; "
+                         "restore the file from the original model")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(str(config.parent))
+    except Exception as err:  # noqa: BLE001 - transformers raises ValueError, KeyError, OSError, TypeError here
+        raise PlaitError(f"{field}={model!r}: {config} is not a config transformers can read "
+                         f"({type(err).__name__}: {_first_line(err)}); fix model_type and the fields it names") from err
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
+def tokenizer_files(model: Any, field: str = "model") -> None:
+    """A local model folder carries tokenizer files (a run's output_dir does: the trainer saves them)."""
+    if isinstance(model, str) and os.path.isdir(os.path.expanduser(model)):
+        folder = Path(os.path.expanduser(model))
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES) and \
+                not (folder / "adapter_config.json").is_file():
+            raise PlaitError(f"{field}={model!r} has no tokenizer files (tokenizer.json or tokenizer_config.json); "
+                             "save the tokenizer there (tokenizer.save_pretrained(folder)) or pass processing_class")
+
+
+def tokenizer(model: Any, field: str = "model"):
+    """The tokenizer the run will use loads (no weights are read); returns it."""
+    from .models import load_tokenizer
+
+    return load_tokenizer(model, field=field)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _step(name: str) -> int:
+    return int(CHECKPOINT.match(name).group(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Data files
+# ---------------------------------------------------------------------------------------------
+
+BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
+
+
+def data_files(spec: Any, field: str = "dataset") -> None:
+    """Each local data file is non-empty UTF-8 (JSON lines that parse, as objects), and the
+    requested split selects at least one row. ``spec`` is a :class:`plait.config.DatasetSpec`."""
+    files = spec.data_files
+    by_split = files if isinstance(files, dict) else {"train": files}
+    rows: dict[str, int | None] = {}
+    for split, names in by_split.items():
+        total: int | None = 0
+        for name in names if isinstance(names, list) else [names]:
+            count = _file_rows(name, spec.path, f"{field}.data_files") if _is_local_file(name) else None
+            total = None if total is None or count is None else total + count
+        rows[split] = total
+    if files is None or not rows:
+        return
+    _split_rows(spec.split, rows, field)
+
+
+def _is_local_file(name: Any) -> bool:
+    return isinstance(name, str) and "://" not in name and not glob.has_magic(name) and os.path.isfile(name)
+
+
+def _file_rows(name: str, builder: str | None, field: str) -> int | None:
+    """Rows in one file (None when only the dataset builder can tell), after checking its bytes."""
+    if os.path.getsize(name) == 0:
+        raise PlaitError(f"{field}: {name!r} is empty (0 bytes); add rows to it or fix the path")
+    builder = builder if builder in BUILDERS.values() else BUILDERS.get(Path(name).suffix.lower())
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(name).metadata.num_rows
+        except Exception as err:  # noqa: BLE001 - pyarrow's ArrowInvalid and OSError
+            raise PlaitError(f"{field}: {name!r} is not a readable parquet file ({_first_line(err)}); "
+                             "rewrite it, or fix the path") from err
+    if builder not in ("json", "csv", "text"):
+        return None
+    if builder == "json" and not name.lower().endswith(".jsonl") and _first_character(name) == "[":
+        return _json_array_rows(name, field)
+    lines = _utf8_lines(name, field)
+    if builder == "text":
+        return sum(1 for _ in lines)
+    if builder == "csv":
+        return max(0, sum(1 for _ in csv.reader(line for _, line in lines)) - 1)  # less the header row
+    count = 0
+    for number, line in lines:
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise PlaitError(f"{field}: {name}, line {number} is not valid JSON ({err.msg} at column {err.colno}); "
+                             "fix or delete that line") from err
+        if not isinstance(row, dict):
+            raise PlaitError(f"{field}: {name}, line {number} is {_a(row)}, not an object "
+                             "({\"column\": value, ...}); fix or delete that line")
+        count += 1
+    return count
+
+
+def _a(value: Any) -> str:
+    """'a JSON list', 'an int' ...: what a row that should be an object is instead."""
+    kind = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value), "null")
+    return f"a JSON {kind}"
+
+
+def _first_character(name: str) -> str:
+    with open(name, "rb") as handle:
+        head = handle.read(4096).lstrip(codecs.BOM_UTF8).lstrip()
+    return head[:1].decode("latin-1")
+
+
+def _utf8_lines(name: str, field: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line; a non-UTF-8 byte is an error naming line and offset."""
+    offset = 0
+    with open(name, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise PlaitError(f"{field}: {name}, line {number} (byte {offset + err.start}) is not UTF-8 "
+                                 f"({raw[err.start:err.start + 4]!r}); re-save the file as UTF-8") from err
+            offset += len(raw)
+            yield number, text
+
+
+def _json_array_rows(name: str, field: str) -> int:
+    text = "".join(line for _, line in _utf8_lines(name, field))
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PlaitError(f"{field}: {name}, line {err.lineno} is not valid JSON ({err.msg} at column {err.colno}); "
+                         "fix the file") from err
+    for index, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise PlaitError(f"{field}: {name}, item {index} of the JSON array is {_a(row)}, not an "
+                             "object ({\"column\": value, ...}); fix or delete it")
+    return len(data)
+
+
+def _split_rows(split: str, rows: dict[str, int | None], field: str) -> None:
+    import datasets
+
+    try:
+        parts = datasets.ReadInstruction.from_spec(split).to_absolute({k: v or 0 for k, v in rows.items()})
+    except (ValueError, AssertionError) as err:
+        raise PlaitError(f"{field}.split={split!r} does not name a split of data_files (it has: {', '.join(rows)}); "
+                         "use one of those, e.g. train or train[:100]") from err
+    if any(rows[part.splitname] is None for part in parts):
+        return  # a file whose rows only the dataset builder can count
+    if sum(part.to - part.from_ for part in parts) == 0:
+        sizes = ", ".join(f"{k}: {v} rows" for k, v in rows.items())
+        raise PlaitError(f"{field}.split={split!r} selects no rows ({sizes}); add rows to the data files or "
+                         "widen the split")
+
+
+# ---------------------------------------------------------------------------------------------
+# Training numbers
+# ---------------------------------------------------------------------------------------------
+
+
+def _number(args, name: str, description: str, ok) -> None:
+    value = getattr(args, name, None)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        raise PlaitError(f"{name}={value!r} must be {description}; fix the value")
+
+
+def training_numbers(args) -> None:
+    """TrainingArguments numbers transformers accepts but that train nothing, or train wrongly."""
+    _number(args, "per_device_train_batch_size", "an integer >= 1", lambda v: v >= 1 and v == int(v))
+    _number(args, "per_device_eval_batch_size", "an integer >= 1", lambda v: v >= 1 and v == int(v))
+    _number(args, "gradient_accumulation_steps", "an integer >= 1", lambda v: v >= 1 and v == int(v))
+    _number(args, "learning_rate", "a finite number > 0 (e.g. 1e-5)", lambda v: v > 0)
+    _number(args, "num_train_epochs", "a finite number >= 0", lambda v: v >= 0)
+    _number(args, "max_steps", "a positive number of optimizer steps, or -1 to train num_train_epochs",
+            lambda v: v > 0 or v == -1)
+    if getattr(args, "max_steps", -1) == -1:
+        _number(args, "num_train_epochs", "> 0 when max_steps is -1 (else nothing trains); or set max_steps",
+                lambda v: v > 0)
+    _number(args, "weight_decay", "a finite number >= 0", lambda v: v >= 0)
+    _number(args, "max_grad_norm", "a finite number >= 0 (0 turns clipping off)", lambda v: v >= 0)
+    _number(args, "adam_beta1", "in [0, 1)", lambda v: 0 <= v < 1)
+    _number(args, "adam_beta2", "in [0, 1)", lambda v: 0 <= v < 1)
+    _number(args, "adam_epsilon", "a finite number > 0", lambda v: v > 0)
+    _number(args, "save_steps", "> 0 (a step count, or a fraction of the run below 1)", lambda v: v > 0)
+    _number(args, "eval_steps", "> 0 (a step count, or a fraction of the run below 1)", lambda v: v > 0)
+    _number(args, "dataloader_num_workers", "an integer >= 0", lambda v: v >= 0 and v == int(v))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints and the output folder
+# ---------------------------------------------------------------------------------------------
+
+
+def is_complete_checkpoint(folder: str | os.PathLike) -> bool:
+    """A checkpoint whose save finished: transformers' trainer state and plait's run metadata
+    (written last, before the staging folder is renamed into place) are both there and readable."""
+    folder = Path(folder)
+    try:
+        json.loads((folder / TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return False
+    return (folder / RUN_METADATA).is_file()
+
+
+def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """``checkpoint-N`` folders directly in ``output_dir``, oldest first (``.staging`` is not one)."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [p for p in Path(output_dir).iterdir() if p.is_dir() and CHECKPOINT.match(p.name)]
+    return sorted(found, key=lambda p: _step(p.name))
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint in ``output_dir`` (half-written ones are skipped)."""
+    complete = [p for p in checkpoints(output_dir) if is_complete_checkpoint(p)]
+    return str(complete[-1]) if complete else None
+
+
+def resume_checkpoint(value: Any, output_dir: str | None) -> str | None:
+    """``resume_from_checkpoint`` as a checkpoint folder: True or 'latest' pick the newest complete
+    checkpoint in ``output_dir``; a path must be a complete checkpoint; None/False: no resume."""
+    if value is None or value is False or value == "":
+        return None
+    if value is True or (isinstance(value, str) and value.lower() == "latest"):
+        found = latest_checkpoint(output_dir) if output_dir else None
+        if found is None:
+            partial = [p.name for p in checkpoints(output_dir)] if output_dir else []
+            seen = f"only incomplete ones: {', '.join(partial)}" if partial else "none"
+            raise PlaitError(f"resume_from_checkpoint={value!r}: output_dir {output_dir!r} holds no complete "
+                             f"checkpoint ({seen}); drop resume_from_checkpoint to start fresh, or pass a checkpoint folder")
+        return found
+    if not isinstance(value, str):
+        raise PlaitError(f"resume_from_checkpoint={value!r} must be a checkpoint folder, true or 'latest'")
+    if not os.path.isdir(value):
+        raise PlaitError(f"resume_from_checkpoint={value!r}: no such folder; pass a checkpoint-N folder, or "
+                         "'latest' for the newest one in output_dir")
+    if not is_complete_checkpoint(value):
+        raise PlaitError(f"resume_from_checkpoint={value!r} is not a complete checkpoint (no readable "
+                         f"{TRAINER_STATE} and {RUN_METADATA}; its save was interrupted); pass an older checkpoint, "
+                         "or 'latest' for the newest complete one")
+    return value
+
+
+def _jsonable(config: dict) -> dict:
+    return json.loads(json.dumps(config, default=str))
+
+
+def output_dir(args, method: str) -> None:
+    """``output_dir`` is a folder that is new, empty of models, or holds this same run; another
+    run's model or checkpoints are refused unless the run resumes or ``overwrite_output_dir`` is set."""
+    out = getattr(args, "output_dir", None)
+    if not out:
+        return
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise PlaitError(f"output_dir={out!r} is a file; pass a folder (it is created if missing)")
+    resume = getattr(args, "resume_from_checkpoint", None)
+    if resume:
+        theirs = _metadata(Path(resume) / RUN_METADATA)
+        if theirs is not None and theirs.get("method") != method:
+            raise PlaitError(f"resume_from_checkpoint={resume!r} is a checkpoint of a {theirs.get('method')} run, "
+                             f"not {method}; resume it with 'plait {theirs.get('method')}', or start fresh")
+        return
+    if not os.path.isdir(out) or getattr(args, "overwrite_output_dir", False):
+        return
+    remedy = "set overwrite_output_dir: true to train over it, or pick another output_dir"
+    found = checkpoints(out)
+    if found:
+        names = ", ".join(p.name for p in found[-3:])
+        raise PlaitError(f"output_dir={out!r} holds checkpoints of an earlier run ({names}); resume it with "
+                         f"resume_from_checkpoint: latest, {remedy}")
+    metadata_path = Path(out) / RUN_METADATA
+    if metadata_path.exists():
+        theirs = _metadata(metadata_path) or {}
+        if theirs.get("method") != method:
+            raise PlaitError(f"output_dir={out!r} holds the model of a {theirs.get('method', 'different')} run; {remedy}")
+        from .config import config_fields
+
+        mine = _jsonable({k: getattr(args, k) for k in config_fields(type(args))})
+        stored = theirs.get("config") or {}
+        changed = [k for k in mine if k not in RESTART_FIELDS and k in stored and stored[k] != mine[k]]
+        if changed:
+            k = changed[0]
+            raise PlaitError(f"output_dir={out!r} holds the model of another {method} run ({k}={stored[k]!r} there, "
+                             f"{mine[k]!r} here); {remedy}")
+        return
+    models = sorted(p.name for p in Path(out).iterdir() if p.name in ("config.json", "adapter_config.json")
+                    or any(p.match(pattern) for pattern in WEIGHT_PATTERNS))
+    if models:
+        raise PlaitError(f"output_dir={out!r} holds a model that no plait run wrote ({', '.join(models[:3])}); "
+                         f"training would overwrite it; {remedy}")
+
+
+def _metadata(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Everything a recipe names
+# ---------------------------------------------------------------------------------------------
+
+
+def model_fields(args) -> dict[str, str]:
+    """Model paths a method's Config names by convention (``teacher_model_name_or_path``,
+    ``reward_model_path``, ...), beside the recipe's own ``model`` and ``ref_model``."""
+    from .config import config_fields
+
+    return {name: getattr(args, name) for name in config_fields(type(args))
+            if name.endswith(("_model_name_or_path", "_model_path")) and isinstance(getattr(args, name), str)}
+
+
+def check_inputs(config, args) -> None:
+    """Every input of a recipe, in the order a run would meet them; ``args`` is its built Config.
+
+    Called by ``plait <method>`` (``--check`` included) after :func:`plait.run.check_recipe`.
+    """
+    init_kwargs = config.model_init_kwargs or {}
+    model_source(config.model, "model", init_kwargs)
+    tokenizer(config.model, "model")
+    if config.ref_model is not None:
+        model_source(config.ref_model, "ref_model", init_kwargs)
+    for name, path in model_fields(args).items():
+        model_source(path, f"training.{name}")
+    for field in ("dataset", "eval_dataset"):
+        spec = getattr(config, field)
+        if spec is not None:
+            data_files(spec, field)
+    output_dir(args, config.method)
