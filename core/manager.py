@@ -6,9 +6,12 @@ a module-level manager that anyone mutates.
 
 Environment switches (each also a field of the run config's ``plugins:`` section):
 
-* ``PLAIT_DISABLE_PLUGINS=name,other``: skip these entry points (or whole distributions).
+* ``PLAIT_DISABLE_PLUGINS=name,other``: skip these entry points (or whole distributions). A name
+  that no installed plugin has is warned about (did you mean ...?); looking up a component of a
+  disabled plugin says which plugin it is and what disabled it.
 * ``PLAIT_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry points at all; register plugins by hand.
-* ``PLAIT_ON_PLUGIN_ERROR=skip``: warn about a plugin that fails to import instead of failing.
+* ``PLAIT_ON_PLUGIN_ERROR=skip``: warn about a plugin that fails to import instead of failing
+  (any exception counts, SystemExit included; only KeyboardInterrupt goes through).
 * ``PLAIT_TRACE_HOOKS=1``: print every hook call and the plugin that answered, to stderr.
 """
 
