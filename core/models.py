@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import json
 import logging
 import os
+import tempfile
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 from accelerate.utils import is_peft_model
@@ -147,12 +149,67 @@ def _adapters_disabled(policy):
         yield
 
 
-def cached_tensors(identity: str, compute: Callable[[], dict]) -> dict:
-    """``compute()`` once per ``identity`` (e.g. dataset fingerprint + reference model), kept as a
-    safetensors file under ``$PLAIT_CACHE`` (default ~/.cache/plait) and written atomically."""
+def weights_digest(model: torch.nn.Module) -> str | None:
+    """sha256 of what a model computes with: its class, its config (less the path it was loaded
+    from) and the bytes of every parameter and buffer as they are in memory, so dtype,
+    quantisation and in-place edits count and the folder it came from does not. None when some
+    weights are not in memory (offloaded to disk)."""
+    model = _unwrap(model)
+    digest = hashlib.sha256(type(model).__qualname__.encode())
+    config = getattr(model, "config", None)
+    if config is not None:
+        values = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+        digest.update(json.dumps(values, sort_keys=True, default=str).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        if tensor.device.type == "meta":
+            return None
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def tokenizer_digest(processing_class) -> str:
+    """sha256 of a tokenizer (or processor) as it saves itself: vocabulary, merges, special
+    tokens, chat template, padding and truncation sides."""
+    digest = hashlib.sha256()
+    with tempfile.TemporaryDirectory() as folder:
+        processing_class.save_pretrained(folder)
+        for path in sorted(Path(folder).rglob("*")):
+            if path.is_file():
+                digest.update(path.relative_to(folder).as_posix().encode())
+                digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _identity(value: Any) -> str | None:
+    """A stable text for one thing cached numbers depend on; None when there is none."""
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin
+
+    if isinstance(value, torch.nn.Module):
+        return weights_digest(value)
+    if isinstance(value, (PreTrainedTokenizerBase, ProcessorMixin)):
+        return tokenizer_digest(value)
+    if isinstance(value, Dataset):  # datasets' fingerprint follows the data and every transform applied
+        return f"{value._fingerprint}|{len(value)}"
+    return repr(value)
+
+
+def cached_tensors(depends_on: Mapping[str, Any], compute: Callable[[], dict]) -> dict:
+    """``compute()`` once per distinct ``depends_on``: everything the numbers are a function of.
+
+    Models count by the content of their weights (:func:`weights_digest`), tokenizers by what they
+    save, datasets by their fingerprint, other values by their repr; never by a path, so a model
+    replaced in the same folder computes afresh. Kept as a safetensors file under ``$PLAIT_CACHE``
+    (default ~/.cache/plait), written atomically. When something has no stable identity (weights
+    offloaded to disk) nothing is cached.
+    """
     from safetensors.torch import load_file, save_file
 
-    key = hashlib.sha256(identity.encode()).hexdigest()[:24]
+    parts = {name: _identity(value) for name, value in sorted(depends_on.items())}
+    if any(part is None for part in parts.values()):
+        return compute()
+    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
     cache = Path(os.environ.get("PLAIT_CACHE", Path.home() / ".cache" / "plait")) / "ref_logps" / f"{key}.safetensors"
     if cache.exists():
         return load_file(cache)

@@ -186,10 +186,16 @@ class DPOTrainer(PlaitTrainer):
 
     # -- precomputed reference log-probs ------------------------------------------------------
     def _with_reference_logps(self, dataset, processing_class, args):
-        """Compute the reference's log-probs once, cached by dataset fingerprint and reference model."""
-        reference = self.reference.model or self._policy
-        identity = f"{dataset._fingerprint}|{reference.name_or_path}|{self.reference.adapters_off}|{args.params.ld_alpha}"
-        cached = cached_tensors(identity, lambda: self._compute_reference_logps(dataset, processing_class, args))
+        """Compute the reference's log-probs once, cached by everything they depend on."""
+        p = args.params
+        depends_on = {
+            "method": "dpo", "reference": self.reference.model or self._policy, "adapters_off": self.reference.adapters_off,
+            "tokenizer": processing_class, "data": dataset, "max_length": p.max_length,
+            "truncation_mode": p.truncation_mode, "pad_to_multiple_of": p.pad_to_multiple_of, "ld_alpha": p.ld_alpha,
+            "batch_size": p.precompute_ref_batch_size or args.per_device_train_batch_size,
+            "chunked_logprobs": args.chunked_logprobs,
+        }
+        cached = cached_tensors(depends_on, lambda: self._compute_reference_logps(dataset, processing_class, args))
         dataset = dataset.add_column("ref_chosen_logps", cached["chosen"].tolist())
         return dataset.add_column("ref_rejected_logps", cached["rejected"].tolist())
 

@@ -200,12 +200,18 @@ class KTOTrainer(PlaitTrainer):
     # -- precomputed reference log-probs ------------------------------------------------------
     def _with_reference_logps(self, dataset, processing_class, args):
         """Fix each row's mismatched partner (the previous row's completion), then compute the
-        reference's log-probs of both once, cached by dataset fingerprint and reference model."""
+        reference's log-probs of both once, cached by everything they depend on."""
         completions = list(dataset["completion_ids"])
         dataset = dataset.add_column("kl_completion_ids", completions[-1:] + completions[:-1])
-        reference = self.reference.model or self._policy
-        identity = f"kto|{dataset._fingerprint}|{reference.name_or_path}|{self.reference.adapters_off}"
-        cached = cached_tensors(identity, lambda: self._compute_reference_logps(dataset, processing_class, args))
+        p = args.params
+        depends_on = {
+            "method": "kto", "reference": self.reference.model or self._policy, "adapters_off": self.reference.adapters_off,
+            "tokenizer": processing_class, "data": dataset, "max_length": p.max_length,
+            "truncation_mode": p.truncation_mode, "pad_to_multiple_of": p.pad_to_multiple_of,
+            "batch_size": p.precompute_ref_batch_size or args.per_device_train_batch_size,
+            "chunked_logprobs": args.chunked_logprobs,
+        }
+        cached = cached_tensors(depends_on, lambda: self._compute_reference_logps(dataset, processing_class, args))
         dataset = dataset.add_column("ref_logps", cached["logps"].tolist())
         return dataset.add_column("ref_kl_logps", cached["kl_logps"].tolist())
 

@@ -349,7 +349,6 @@ class PPOTrainer(OnPolicyTrainer):
 
     def after_init(self) -> None:
         super().after_init()
-        p = self.args.params
         self.value_model.to(self.args.device)
         self.model = self.model_wrapped = PolicyAndValue(self._policy, self.value_model)
         if self.reference.model is not None:

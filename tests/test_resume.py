@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -231,3 +232,52 @@ def test_a_resumed_run_without_saved_rollout_state_warns(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="plait"):
         build(tmp_path).train(resume_from_checkpoint=str(checkpoint))
     assert "has no plait_resume_state_0.pt" in caplog.text and "will not match an uninterrupted run" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# The precomputed reference log-prob cache follows the numbers' inputs, not the model's path
+# ---------------------------------------------------------------------------------------------
+
+PAIRS = [{"prompt": f"Tell me about the {w}.", "chosen": f" The {w} is good.", "rejected": f" The {w} is bad."}
+         for w in ("apple", "river", "stone", "cloud")]
+CACHED = {  # method: (trainer, config, data, one cached column)
+    "dpo": (plait.DPOTrainer, plait.DPOConfig, PAIRS, "ref_chosen_logps"),
+    "kto": (plait.KTOTrainer, plait.KTOConfig,
+            [{"prompt": r["prompt"], "completion": r["chosen" if i % 2 else "rejected"], "label": bool(i % 2)}
+             for i, r in enumerate(PAIRS)], "ref_logps"),
+}
+
+
+@pytest.mark.parametrize("method", sorted(CACHED))
+def test_a_model_replaced_at_the_same_path_does_not_reuse_cached_reference_logps(tmp_path, monkeypatch, method):
+    trainer_class, config_class, rows, column = CACHED[method]
+    data = Dataset.from_list(rows)
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_path(), folder)
+
+    def reference_logps(cache: str = "cache", **overrides) -> torch.Tensor:
+        monkeypatch.setenv("PLAIT_CACHE", str(tmp_path / cache))
+        settings = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_length=64,
+                        precompute_ref_log_probs=True, report_to="none")
+        args = config_class(**{**settings, **overrides})
+        return torch.tensor(trainer_class(str(folder), args=args, train_dataset=data).train_dataset[column])
+
+    def entries() -> list[str]:
+        return sorted(p.name for p in (tmp_path / "cache" / "ref_logps").iterdir())
+
+    before = reference_logps()
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.5)
+    model.save_pretrained(folder)  # new weights, same path
+
+    after = reference_logps()
+    assert not torch.equal(after, before)
+    assert torch.equal(after, reference_logps(cache="empty"))  # what the new weights give, computed afresh
+    assert len(entries()) == 2
+    kept = entries()
+    assert torch.equal(reference_logps(), after) and entries() == kept  # same weights and settings: reused
+    reference_logps(max_length=8)  # truncation changes the numbers: an entry of its own
+    assert len(entries()) == 3
