@@ -401,7 +401,7 @@ def test_a_teacher_with_another_vocabulary_is_refused_up_front(tmp_path, case, o
 @pytest.mark.parametrize("kwargs, overrides, match", [
     ({}, {}, "needs a teacher"),
     ({"teacher_model": "x"}, {"teacher_model_name_or_path": "y"}, "given both"),
-    ({"teacher_model": "/nonexistent/teacher"}, {}, "teacher_model='/nonexistent/teacher' could not be loaded"),
+    ({"teacher_model": "/nonexistent/teacher"}, {}, "teacher_model='/nonexistent/teacher': no such folder"),
     ({"teacher_model": "x"}, {"loss": [{"name": "jsd", "beta": 2.0}]}, "beta=2.0"),
     ({"teacher_model": "x"}, {"loss": ["sigmoid"]}, "unknown loss 'sigmoid'"),
     ({"teacher_model": "x"}, {"generation_backend": "nope"}, "unknown generation backend 'nope'"),
