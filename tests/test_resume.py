@@ -281,3 +281,54 @@ def test_a_model_replaced_at_the_same_path_does_not_reuse_cached_reference_logps
     assert torch.equal(reference_logps(), after) and entries() == kept  # same weights and settings: reused
     reference_logps(max_length=8)  # truncation changes the numbers: an entry of its own
     assert len(entries()) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Two processes: each saves and restores its own share of the rollout
+# ---------------------------------------------------------------------------------------------
+
+DDP_SCRIPT = '''
+import sys
+import plait
+from transformers import TrainerCallback
+from plait.testing.tiny_model import tiny_model_path
+
+output, mode = sys.argv[1], sys.argv[2]
+
+def low_tokens(completion_ids, **kwargs):
+    return [float(sum(t < 100 for t in ids)) for ids in completion_ids]
+
+class StopAt3(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step == 3
+
+args = plait.GRPOConfig(output_dir=output, per_device_train_batch_size=2, num_generations=2, steps_per_generation=2,
+                        num_iterations=2, max_completion_length=5, learning_rate=1e-2, max_steps=6,
+                        save_strategy="steps", save_steps=3, logging_steps=1, report_to=[], disable_tqdm=True,
+                        use_cpu=True, seed=0)
+prompts = [{"prompt": p} for p in ["The river", "A good answer", "Python is", "The children"]]
+t = plait.GRPOTrainer(str(tiny_model_path()), reward_funcs=low_tokens, args=args, train_dataset=prompts,
+                      callbacks=[StopAt3()] if mode == "cut" else None)
+t.train(resume_from_checkpoint=output + "/checkpoint-3" if mode == "resume" else None)
+'''
+
+
+@pytest.mark.slow
+def test_two_processes_resume_bit_identically(tmp_path):
+    """Each process keeps its own rows of a generation batch; each saves and restores its own state."""
+    script = tmp_path / "ddp_resume.py"
+    script.write_text(DDP_SCRIPT)
+    torchrun = Path(sys.executable).parent / "torchrun"
+
+    def launch(output: Path, mode: str) -> None:
+        done = subprocess.run([str(torchrun), "--nproc_per_node", "2", str(script), str(output), mode],
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    launch(tmp_path / "straight", "straight")
+    launch(tmp_path / "cut", "cut")
+    checkpoint = tmp_path / "cut" / "checkpoint-3"
+    assert (checkpoint / "plait_resume_state_0.pt").exists() and (checkpoint / "plait_resume_state_1.pt").exists()
+    launch(tmp_path / "cut", "resume")
+    assert_same_run(tmp_path / "straight" / "checkpoint-6", tmp_path / "cut" / "checkpoint-6", "grpo, 2 processes",
+                    ("num_tokens",))
