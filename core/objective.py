@@ -23,11 +23,19 @@ from .registry import Component, Registry
 OUTPUTS = ("example", "token", "scalar")
 
 
-@attrs.frozen
+@attrs.define(eq=False)
 class LossTerm:
+    """One registered loss in an objective, with its weight and parameters.
+
+    Every call checks what the plugin returned against the shape it declared with ``output=``
+    and notes, without a device sync, whether the value was finite, so a trainer can name the
+    part that went NaN/inf (:meth:`Objective.nonfinite_terms`) when a step's loss does.
+    """
+
     component: Component
     weight: float
     params: Any
+    _nonfinite: Tensor | None = attrs.field(default=None, init=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -35,10 +43,67 @@ class LossTerm:
 
     @property
     def output(self) -> str:
-        return self.component.options.get("output", "example")
+        return declared_output(self.component)
 
-    def __call__(self, batch) -> Tensor:
-        return self.component.obj(batch, self.params)
+    @property
+    def origin(self) -> str:
+        return provenance(self.component)
+
+    def __call__(self, batch, mask: Tensor | None = None) -> Tensor:
+        value = self.component.obj(batch, self.params)
+        self._check(value, batch, mask)
+        flag = ~torch.isfinite(value.detach()).all()
+        self._nonfinite = flag if self._nonfinite is None else self._nonfinite | flag
+        return value
+
+    def _check(self, value: Any, batch, mask: Tensor | None) -> None:
+        """Refuse a value the reduction would silently mis-average (or crash on), naming the plugin."""
+        expected = {"example": "[B] (one value per example)", "token": "[B, T] like the mask", "scalar": "a 0-dim tensor"}
+        where = f"loss {self.name!r} ({self.origin}) declares output={self.output!r}"
+        if not torch.is_tensor(value):
+            raise PlaitError(f"{where} but returned a {type(value).__name__}, not a tensor; return {expected[self.output]} "
+                             "computed from the batch's tensors")
+        wanted = _expected_shape(self.output, batch, mask)
+        if wanted is not None and tuple(value.shape) != wanted:
+            raise PlaitError(f"{where} and must return {expected[self.output]}, shape {wanted}, but returned shape "
+                             f"{tuple(value.shape)}; fix its shape or register it with the output= it returns")
+        if torch.is_grad_enabled() and not value.requires_grad and _needs_grad(batch):
+            raise PlaitError(f"{where} but returned a tensor without gradient (detached, .item() or built anew), so "
+                             "training could not move the model through it; compute it from the batch's tensors")
+
+    def reset_watch(self) -> None:
+        self._nonfinite = None
+
+    def saw_nonfinite(self) -> bool:
+        """Did any call since :meth:`reset_watch` return NaN/inf? (syncs with the device)"""
+        return self._nonfinite is not None and bool(self._nonfinite)
+
+
+def declared_output(component: Component) -> str:
+    """The shape a loss declares: ``output=``, or ``reduces=True`` (the older spelling of a scalar)."""
+    options = component.options
+    return options.get("output") or ("scalar" if options.get("reduces") else "example")
+
+
+def provenance(component: Component) -> str:
+    """Where a loss comes from, for messages: its plugin and distribution."""
+    return f"plugin {component.plugin}, distribution {component.distribution} {component.version}"
+
+
+def _expected_shape(output: str, batch, mask: Tensor | None) -> tuple[int, ...] | None:
+    if output == "scalar":
+        return ()
+    if output == "example":
+        return (batch.batch_size,) if hasattr(batch, "batch_size") else None
+    mask = mask if mask is not None else getattr(batch, "mask", None)
+    return tuple(mask.shape) if mask is not None else None
+
+
+def _needs_grad(batch) -> bool:
+    """Does any tensor of the batch carry gradient (the policy's log-probs while training)?"""
+    if not attrs.has(type(batch)):
+        return False
+    return any(torch.is_tensor(v) and v.requires_grad for v in attrs.astuple(batch, recurse=False))
 
 
 def normalise_loss_specs(loss: Any, loss_weights: Sequence[float] | None = None, field: str = "loss") -> list[dict]:
@@ -92,6 +157,10 @@ class Objective:
                     f"{field}[{i}]: loss {component.name!r} consumes {wanted.__name__} but this method "
                     f"provides {consumes.__name__}; pick a loss of the '{family}.' family"
                 )
+            if declared_output(component) not in OUTPUTS:
+                raise PlaitError(f"{field}[{i}]: loss {component.name!r} ({provenance(component)}) is registered with "
+                                 f"output={declared_output(component)!r}; the plugin must declare one of "
+                                 f"{', '.join(OUTPUTS)}")
             if component.params is not None:
                 accepted = {a.name for a in attrs.fields(component.params)}
                 spec = {**{k: v for k, v in shared.items() if k in accepted}, **spec}
@@ -105,6 +174,14 @@ class Objective:
     def params_of(self, name: str):
         return next(t.params for t in self.terms if t.name == name)
 
+    def reset_watch(self) -> None:
+        for term in self.terms:
+            term.reset_watch()
+
+    def nonfinite_terms(self) -> list[LossTerm]:
+        """The terms that returned NaN/inf since the last :meth:`reset_watch`."""
+        return [term for term in self.terms if term.saw_nonfinite()]
+
     def __call__(
         self, batch, *, example_weights: Tensor | None = None, mask: Tensor | None = None,
         num_tokens: Tensor | float | None = None,
@@ -112,7 +189,7 @@ class Objective:
         """Return the total loss and each part's reduced (unweighted) value."""
         total, parts = 0.0, {}
         for term in self.terms:
-            value = term(batch)
+            value = term(batch, mask)
             if term.output == "example":
                 value = (value * example_weights).mean() if example_weights is not None else value.mean()
             elif term.output == "token":
