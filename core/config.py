@@ -47,6 +47,9 @@ def _hardware_defaults(args: TrainingArguments) -> None:
         args.dataloader_pin_memory = torch.cuda.is_available()
 
 
+NONFINITE_POLICIES = ("error", "skip")
+
+
 def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[str, Any] = {}, module: str | None = None) -> type:
     """Return the dataclass ``name``: every TrainingArguments field, ``defaults`` overriding its
     defaults, plus the fields of the attrs class ``params`` (validated in ``__post_init__``).
@@ -67,6 +70,9 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
     fields.append(("overwrite_output_dir", bool, dataclasses.field(default=False)))
     # also true or "latest": the newest complete checkpoint in output_dir (plait.preflight)
     fields.append(("resume_from_checkpoint", str | bool | None, dataclasses.field(default=None)))
+    # What a NaN/inf loss or gradient norm does: stop the run naming the part ("error"), or drop
+    # that optimizer step's update and go on ("skip"; the weights stay finite). See PlaitTrainer.
+    fields.append(("on_nonfinite_loss", str, dataclasses.field(default="error")))
     own = {f[0] for f in fields}
     inherited = config_fields(TrainingArguments)
     for field_name, value in {"bf16": None, "fp16": None, "dataloader_pin_memory": None, **defaults}.items():
@@ -78,6 +84,9 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
 
     def __post_init__(self) -> None:
         _hardware_defaults(self)
+        if self.on_nonfinite_loss not in NONFINITE_POLICIES:
+            raise PlaitError(f"{name}: on_nonfinite_loss={self.on_nonfinite_loss!r} is not valid; use 'error' (stop "
+                             "the run) or 'skip' (skip that optimizer step)")
         values = {a.name: getattr(self, a.name) for a in attrs.fields(params)}
         try:
             self.params = params(**values)

@@ -4,13 +4,16 @@ A method subclasses :class:`PlaitTrainer` and fills in four things: how its data
 prepared, which collator lays out its batches, how one step turns a batch into a typed loss
 batch (through :func:`plait.logprobs.token_logprobs`) and which metrics it logs. The chassis
 never names a concrete method or loss: it asks the registry. It adds atomic checkpoints with
-run metadata, metrics averaged per logging window, and plugin-contributed callbacks.
+run metadata, metrics averaged per logging window, plugin-contributed callbacks, and a guard
+that keeps NaN/inf out of the weights: a non-finite loss or gradient norm stops the run naming
+the step and the loss part (or, with ``on_nonfinite_loss="skip"``, drops that update).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 from collections import defaultdict
@@ -26,10 +29,16 @@ from .errors import PlaitError
 from .logprobs import token_logprobs
 from .manager import Plugins, default_plugins
 from .models import load_model, load_tokenizer, wrap_peft
+from .objective import Objective
 
 logger = logging.getLogger("plait")
 METADATA_FILE = "plait_run.json"
 RESUME_STATE_FILE = "plait_resume_state_{}.pt"  # per process, like the Trainer's rng_state_N.pth
+
+
+class NonFiniteLossError(PlaitError):
+    """A step's loss or gradient norm was NaN/inf (or the weights are): the run stops before the
+    update reaches the weights, and nothing non-finite is saved."""
 
 
 class PlaitTrainer(Trainer):
@@ -38,6 +47,10 @@ class PlaitTrainer(Trainer):
     method: ClassVar[str]
     config_class: ClassVar[type]
     auto_model_class: ClassVar[type] = AutoModelForCausalLM  # what a model path is loaded as
+    # the non-finite guard's state: did a micro-batch of this optimizer step give a NaN/inf loss
+    # (a device tensor, so no sync per micro-batch; None before the step's first), steps skipped
+    _nonfinite_loss: torch.Tensor | None = None
+    nonfinite_steps_skipped: int = 0
 
     def __init__(
         self,
@@ -134,12 +147,105 @@ class PlaitTrainer(Trainer):
             finite = [v for v in values if v == v]
             logs[prefix + name] = sum(finite) / len(finite) if finite else float("nan")
         self._metrics[mode].clear()
+        if mode == "train" and getattr(self.args, "on_nonfinite_loss", "error") == "skip":
+            logs["nonfinite_steps_skipped"] = self.nonfinite_steps_skipped
         super().log(logs, start_time)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
+
+    # -- the non-finite guard: no NaN/inf update ever reaches the weights ----------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._nonfinite_loss is None:  # first micro-batch of an optimizer step
+            for objective in self._objectives():
+                objective.reset_watch()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        bad = ~torch.isfinite(loss)
+        self._nonfinite_loss = bad if self._nonfinite_loss is None else self._nonfinite_loss | bad
+        return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # transformers calls this once per optimizer step, after the gradients of every micro-batch
+        # are summed and clipped and right before optimizer.step(): the last moment to keep a NaN
+        # out of the weights (and the only place the step's gradient norm is at hand).
+        grad_norm = super()._get_grad_norm(model, grad_norm)
+        self._guard_update(model, grad_norm)
+        return grad_norm
+
+    def _guard_update(self, model, grad_norm) -> None:
+        """Stop (or, with ``on_nonfinite_loss="skip"``, drop this update) when the step's loss or
+        gradient norm is NaN/inf. Every process takes the same decision."""
+        bad_loss, self._nonfinite_loss = self._nonfinite_loss, None
+        bad_loss = torch.zeros((), device=self.args.device) if bad_loss is None else bad_loss.float()
+        if self.accelerator.num_processes > 1:
+            bad_loss = self.accelerator.reduce(bad_loss, "sum")
+        bad_loss = bool(bad_loss > 0)
+        norm = float(grad_norm) if grad_norm is not None else 0.0
+        # Under fp16 loss scaling an overflowing gradient is routine: the scaler skips that step itself.
+        bad_grad = not math.isfinite(norm) and not self.args.fp16
+        if not (bad_loss or bad_grad):
+            return
+        message = self._nonfinite_message(model, bad_loss, norm)
+        if getattr(self.args, "on_nonfinite_loss", "error") != "skip":
+            raise NonFiniteLossError(f"{message}; the weights were not updated with it and are not saved; set "
+                                     "on_nonfinite_loss: skip to skip such steps instead")
+        self.nonfinite_steps_skipped += 1
+        logger.warning("plait: %s; skipped this update (on_nonfinite_loss=skip; %d skipped so far)",
+                       message, self.nonfinite_steps_skipped)
+        model.zero_grad(set_to_none=True)  # optimizers leave a parameter without gradient untouched
+
+    def _objectives(self) -> list[Objective]:
+        """The composed objectives the method built (``objective``, PPO's policy and value ones ...)."""
+        return [value for value in vars(self).values() if isinstance(value, Objective)]
+
+    def _nonfinite_message(self, model, bad_loss: bool, norm: float) -> str:
+        """One line: the step, what went NaN/inf, in which loss part(s), and the likely causes."""
+        step, lr = self.state.global_step + 1, self.args.learning_rate
+        terms = [term for objective in self._objectives() for term in objective.nonfinite_terms()]
+        all_terms = [term for objective in self._objectives() for term in objective.terms]
+        every_part = ", ".join(f"loss/{t.name}" for t in all_terms)
+        if bad_loss and terms:
+            what = "the loss is NaN/inf in " + ", ".join(f"loss/{t.name} ({t.origin})" for t in terms)
+        elif bad_loss:
+            what = f"the loss is NaN/inf although every loss part ({every_part}) is finite"
+        else:
+            what = f"the gradient norm is {norm} although the loss ({every_part}) is finite"
+        causes = []
+        if not self._weights_finite(model):
+            causes.append("the weights already hold NaN/inf (a broken model file, or an earlier update diverged)")
+        if self.args.fp16:
+            causes.append("fp16 overflow (train in bf16 or fp32, or lower learning_rate)")
+        only_some = bool(terms) and len(terms) < len(all_terms)
+        plugin = "the loss plugin(s) " + ", ".join(repr(t.name) for t in terms) + " producing NaN/inf on this batch"
+        diverged = f"learning_rate={lr:g} too high, so the model diverged (lower it)"
+        if only_some:  # the same model outputs fed every part, and only these broke
+            causes.append(plugin)
+        if self.state.global_step > 0:  # an update already happened
+            causes.append(diverged)
+        if terms and not only_some:
+            causes.append(plugin)
+        elif bad_loss and not terms:
+            causes.append("the method's scaling of the parts (e.g. dividing by zero trained tokens)")
+        elif not bad_loss:
+            causes.append("a loss whose gradient is undefined where its value is finite (e.g. sqrt or log at 0)")
+        return f"step {step}: {what}; likely cause: {'; or '.join(causes)}"
+
+    def _weights_finite(self, model) -> bool:
+        """Are all parameters finite, on every process? (one pass over the weights; one sync)"""
+        device = self.args.device
+        flags = [(~torch.isfinite(p.detach())).any().to(device) for p in model.parameters()]
+        bad = torch.stack(flags).any().float() if flags else torch.zeros((), device=device)
+        if self.accelerator.num_processes > 1:
+            bad = self.accelerator.reduce(bad, "sum")
+        return not bool(bad > 0)
+
+    def _refuse_nonfinite_weights(self, output_dir: str) -> None:
+        if not self._weights_finite(self.model):
+            raise NonFiniteLossError(
+                f"step {self.state.global_step}: the weights hold NaN/inf, so they are not saved to {output_dir}; an "
+                f"update diverged (learning_rate={self.args.learning_rate:g} too high?) or the model file was broken")
 
     # -- checkpoints: atomic, with run metadata -----------------------------------------------
     def run_metadata(self) -> dict[str, Any]:
@@ -213,6 +319,7 @@ class PlaitTrainer(Trainer):
         self.load_resume_state(torch.load(path, weights_only=True))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        self._refuse_nonfinite_weights(output_dir or self.args.output_dir)  # final save and checkpoints alike
         super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
         if self.args.should_save and not _internal_call:
