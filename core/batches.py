@@ -28,6 +28,8 @@ class PreferenceLogps:
 
     ``divergence`` is the f-divergence transform s = f(r) the method applies to each
     log-ratio r = log π − log π_ref before losses form a margin (reverse KL: s = r).
+    ``unweighted_chosen_logps`` is Σ_t log π(y_c,t) with every token counted once, given by a
+    method that weights tokens in ``chosen_logps`` (LD-DPO); None when they are the same.
     """
 
     chosen_logps: Tensor
@@ -37,6 +39,12 @@ class PreferenceLogps:
     chosen_lengths: Tensor
     rejected_lengths: Tensor
     divergence: Callable[[Tensor], Tensor] = _identity
+    unweighted_chosen_logps: Tensor | None = None
+
+    @property
+    def plain_chosen_logps(self) -> Tensor:
+        """Σ_t log π(y_c,t), every token counted once (whatever weights ``chosen_logps`` carries)."""
+        return self.chosen_logps if self.unweighted_chosen_logps is None else self.unweighted_chosen_logps
 
     @property
     def chosen_logratios(self) -> Tensor:

@@ -34,4 +34,5 @@ def dpo_aot(batch: PreferenceLogps, p: AOTParams):
 
 @hookimpl
 def register_losses(register):
-    register("dpo.aot", dpo_aot, params=AOTParams, consumes=PreferenceLogps, batch_coupled=True)
+    register("dpo.aot", dpo_aot, params=AOTParams, consumes=PreferenceLogps, batch_coupled=True,
+             sorts_batch=True)

@@ -33,4 +33,4 @@ def dpo_aot_unpaired(batch: PreferenceLogps, p: AOTUnpairedParams):
 def register_losses(register):
     for name in ("dpo.aot_unpaired", "dpo.aot_pair"):
         register(name, dpo_aot_unpaired, params=AOTUnpairedParams, consumes=PreferenceLogps,
-                 batch_coupled=True)
+                 batch_coupled=True, sorts_batch=True)

@@ -1,13 +1,13 @@
 """Anchored preference optimisation, APO-down.
 
 D'Oosterlinck et al. 2024, "Anchored Preference Optimization and Contrastive Revisions:
-Addressing Underspecification in Alignment". With r_c = log π(y_c) − log π_ref(y_c) and Δ the
-f-divergence margin s_c − s_r:
+Addressing Underspecification in Alignment", eq. 8. With r = log π − log π_ref:
 
-    ℓ = σ(βr_c) + (1 − σ(βΔ))
+    ℓ = σ(βr_c) + (1 − σ(β(r_c − r_r)))
 
 Lowers the chosen likelihood while still widening the margin: for data whose chosen outputs
-are worse than the model's own. β typically 0.05–0.5. Not a function of the margin alone.
+are worse than the model's own. β typically 0.05–0.5. Not a function of the margin alone, so
+no f-divergence applies (f-DPO's β·log Z(x) cancels only in a chosen − rejected difference).
 """
 
 import attrs
@@ -23,7 +23,8 @@ class APODownParams:
 
 
 def dpo_apo_down(batch: PreferenceLogps, p: APODownParams):
-    return (p.beta * batch.chosen_logratios).sigmoid() + (1 - (p.beta * batch.margin).sigmoid())
+    chosen, rejected = p.beta * batch.chosen_logratios, p.beta * batch.rejected_logratios
+    return chosen.sigmoid() + (1 - (chosen - rejected).sigmoid())
 
 
 @hookimpl

@@ -1,13 +1,14 @@
 """Binary classifier optimisation (BCO), pairwise form.
 
 Jung et al. 2024, "Binary Classifier Optimization for Large Language Model Alignment". With
-s = f(r) the f-divergence scores:
+r = log π − log π_ref:
 
-    ℓ = −log σ(βs_c) − log σ(−βs_r)
+    ℓ = −log σ(βr_c) − log σ(−βr_r)
 
-A logistic classifier with the implicit reward βs as its logit: chosen completions are
+A logistic classifier with the implicit reward βr as its logit: chosen completions are
 pushed above zero and rejected ones below, each on its own. β is typically 0.05–0.5. Not a
-function of the margin alone.
+function of the margin alone, so no f-divergence applies: f-DPO's β·log Z(x) cancels only in
+a chosen − rejected difference.
 """
 
 import attrs
@@ -24,7 +25,7 @@ class BCOPairParams:
 
 
 def dpo_bco_pair(batch: PreferenceLogps, p: BCOPairParams):
-    return -F.logsigmoid(p.beta * batch.chosen_scores) - F.logsigmoid(-p.beta * batch.rejected_scores)
+    return -F.logsigmoid(p.beta * batch.chosen_logratios) - F.logsigmoid(-p.beta * batch.rejected_logratios)
 
 
 @hookimpl

@@ -32,4 +32,4 @@ def dpo_discopop(batch: PreferenceLogps, p: DiscoPOPParams):
 
 @hookimpl
 def register_losses(register):
-    register("dpo.discopop", dpo_discopop, params=DiscoPOPParams, consumes=PreferenceLogps)
+    register("dpo.discopop", dpo_discopop, params=DiscoPOPParams, consumes=PreferenceLogps, f_divergence=True)

@@ -6,8 +6,8 @@ p = σ(βΔ), Δ = s_c − s_r the f-divergence margin:
     ℓ = p·[log p − log(1 − ε)] + (1 − p)·[log(1 − p) − log ε] = KL(Bern(p) ‖ Bern(1 − ε))
 
 Where DPO minimises the forward KL to the preference labels, EXO minimises the reverse KL, so
-it is mode-seeking; the minimum sits at p = 1 − ε, not at p = 1. ε must be > 0 (0 means the
-default 1e-3, as TRL users expect); β is typically 0.05–0.5.
+it is mode-seeking; the minimum sits at p = 1 − ε, not at p = 1. ε must be > 0: 0 (DPOConfig's
+default) means the paper's recommended 1e-3, where TRL 1.16 refuses it; β is typically 0.05–0.5.
 """
 
 import math
@@ -35,4 +35,4 @@ def dpo_exo_pair(batch: PreferenceLogps, p: ExoPairParams):
 
 @hookimpl
 def register_losses(register):
-    register("dpo.exo_pair", dpo_exo_pair, params=ExoPairParams, consumes=PreferenceLogps)
+    register("dpo.exo_pair", dpo_exo_pair, params=ExoPairParams, consumes=PreferenceLogps, f_divergence=True)

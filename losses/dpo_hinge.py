@@ -30,4 +30,4 @@ def dpo_hinge(batch: PreferenceLogps, p: HingeParams):
 @hookimpl
 def register_losses(register):
     register("dpo.hinge", dpo_hinge, params=HingeParams, consumes=PreferenceLogps,
-             monotone="non_increasing_in_margin")
+             monotone="non_increasing_in_margin", f_divergence=True)

@@ -32,4 +32,4 @@ def dpo_ipo(batch: PreferenceLogps, p: IPOParams):
 
 @hookimpl
 def register_losses(register):
-    register("dpo.ipo", dpo_ipo, params=IPOParams, consumes=PreferenceLogps)
+    register("dpo.ipo", dpo_ipo, params=IPOParams, consumes=PreferenceLogps, f_divergence=True)

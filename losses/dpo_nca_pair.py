@@ -1,13 +1,14 @@
 """Noise contrastive alignment (NCA), pairwise form.
 
 Chen et al. 2024, "Noise Contrastive Alignment of Language Models with Explicit Rewards".
-With s = f(r) the f-divergence scores:
+With r = log π − log π_ref:
 
-    ℓ = −log σ(βs_c) − ½·log σ(−βs_c) − ½·log σ(−βs_r)
+    ℓ = −log σ(βr_c) − ½·log σ(−βr_c) − ½·log σ(−βr_r)
 
 Unlike DPO it scores each completion against the reference on its own, not only the margin,
 so the chosen likelihood is kept from falling along with the rejected one. β is typically
-0.01–0.1. Not a function of the margin alone.
+0.01–0.1. Not a function of the margin alone, so no f-divergence applies: f-DPO's β·log Z(x)
+cancels only in a chosen − rejected difference.
 """
 
 import attrs
@@ -24,7 +25,7 @@ class NCAPairParams:
 
 
 def dpo_nca_pair(batch: PreferenceLogps, p: NCAPairParams):
-    chosen, rejected = p.beta * batch.chosen_scores, p.beta * batch.rejected_scores
+    chosen, rejected = p.beta * batch.chosen_logratios, p.beta * batch.rejected_logratios
     return -F.logsigmoid(chosen) - 0.5 * F.logsigmoid(-chosen) - 0.5 * F.logsigmoid(-rejected)
 
 

@@ -31,4 +31,4 @@ def dpo_robust(batch: PreferenceLogps, p: RobustParams):
 @hookimpl
 def register_losses(register):
     register("dpo.robust", dpo_robust, params=RobustParams, consumes=PreferenceLogps,
-             monotone="non_increasing_in_margin")
+             monotone="non_increasing_in_margin", f_divergence=True)

@@ -32,4 +32,5 @@ def dpo_sigmoid_norm(batch: PreferenceLogps, p: SigmoidNormParams):
 
 @hookimpl
 def register_losses(register):
-    register("dpo.sigmoid_norm", dpo_sigmoid_norm, params=SigmoidNormParams, consumes=PreferenceLogps)
+    register("dpo.sigmoid_norm", dpo_sigmoid_norm, params=SigmoidNormParams, consumes=PreferenceLogps,
+             f_divergence=True)

@@ -8,6 +8,7 @@ f-divergence and hands it to the composed ``dpo.*`` losses; it never names a los
 
 from __future__ import annotations
 
+import logging
 
 import attrs
 import torch
@@ -24,6 +25,7 @@ from plait.objective import Objective, normalise_loss_specs
 from plait.params import in_range, positive
 from plait.trainer import PlaitTrainer
 
+logger = logging.getLogger("plait")
 
 def _optional(validator):
     return attrs.validators.optional(validator)
@@ -50,6 +52,8 @@ class DPOParams:
     ref_model_sync_steps: int = attrs.field(default=512, validator=positive)
     ld_alpha: float | None = attrs.field(default=None, validator=_optional(in_range(0.0, 1.0)))
     use_weighting: bool = False
+    # WPO's authors cap each pair's weight at 1 in their code (wzhouad/WPO); TRL 1.16 does not (None).
+    weighting_cap: float | None = attrs.field(default=None, validator=_optional(positive))
     model_init_kwargs: dict | None = None
     ref_model_init_kwargs: dict | None = None
     dataset_num_proc: int | None = None
@@ -92,6 +96,27 @@ class DPOTrainer(PlaitTrainer):
             shared={"beta": p.beta, "label_smoothing": p.label_smoothing},
         )
         self.divergence = f_divergence(p.f_divergence_type, p.f_alpha_divergence_coef)
+        self._check_losses_support(p)
+
+    def _check_losses_support(self, p) -> None:
+        """Each loss declares what it supports when it registers; refuse or flag what it does not."""
+        terms = self.objective.terms
+        if p.f_divergence_type != "reverse_kl":
+            # f-DPO (Wang et al. 2024) leaves β·log Z(x) in each score: it cancels only in chosen − rejected
+            refused = [t.name for t in terms if not t.component.options.get("f_divergence")]
+            if refused:
+                raise PlaitError(f"f_divergence_type={p.f_divergence_type!r} does not apply to {refused}: only losses "
+                                 "built on the chosen − rejected difference register f_divergence=True; use "
+                                 "f_divergence_type='reverse_kl' with them")
+        if p.use_weighting:
+            refused = [t.name for t in terms if t.component.options.get("sorts_batch")]
+            if refused:
+                raise PlaitError(f"use_weighting=True weighs each pair's loss, but {refused} sort the batch (entry k "
+                                 "is the k-th quantile, not pair k); set use_weighting=False or pick another loss")
+        if p.label_smoothing and not any(_takes(t, "label_smoothing") for t in terms):
+            logger.warning("DPO: label_smoothing=%s is read by none of %s (as in TRL 1.16, it serves cdpo, robust, "
+                           "exo_pair, aot and aot_unpaired); for conservative DPO use loss_type='cdpo'",
+                           p.label_smoothing, [t.name for t in terms])
 
     def before_peft(self, model, args, ref_model=None):
         p = args.params
@@ -154,9 +179,11 @@ class DPOTrainer(PlaitTrainer):
         mask = inputs["completion_mask"]
         (chosen, rejected), (ref_chosen, ref_rejected) = logps.chunk(2), ref.chunk(2)
         lengths_chosen, lengths_rejected = mask.sum(-1).to(logps.dtype).chunk(2)
+        p = self.args.params
+        unweighted_chosen = (out.logps * mask).sum(-1).chunk(2)[0] if p.ld_alpha is not None else None
         batch = PreferenceLogps(chosen, rejected, ref_chosen, ref_rejected, lengths_chosen, lengths_rejected,
-                                divergence=self.divergence)
-        weights = self._wpo_weights(out, mask) if self.args.params.use_weighting else None
+                                divergence=self.divergence, unweighted_chosen_logps=unweighted_chosen)
+        weights = self._wpo_weights(out, mask, p.weighting_cap) if p.use_weighting else None
         loss, parts = self.objective(batch, example_weights=weights)
 
         beta = self.args.params.beta
@@ -177,12 +204,14 @@ class DPOTrainer(PlaitTrainer):
         return (loss, None) if return_outputs else loss
 
     @staticmethod
-    def _wpo_weights(out, mask: torch.Tensor) -> torch.Tensor:
-        """WPO (Zhou et al. 2024, eq. 6): weight each pair by how likely the policy is to sample it,
-        exp(mean_t [log π(y_t) − log Σ_v π(v)²]) for chosen × rejected, capped at 1, no gradient."""
+    def _wpo_weights(out, mask: torch.Tensor, cap: float | None) -> torch.Tensor:
+        """WPO (Zhou et al. 2024, eq. 2 with weight alignment): weight each pair by how likely the policy is
+        to sample it, exp(mean_t [log π(y_t) − log Σ_v π(v)²]) for chosen × rejected, no gradient; ``cap``
+        bounds it (the authors' code uses 1; TRL 1.16 and plait's default: no cap)."""
         per_row = masked_mean((out.logps - out.collision).detach(), mask, dim=-1)
         chosen, rejected = per_row.chunk(2)
-        return torch.exp(chosen + rejected).clamp(max=1.0)
+        weights = torch.exp(chosen + rejected)
+        return weights if cap is None else weights.clamp(max=cap)
 
     # -- precomputed reference log-probs ------------------------------------------------------
     def _with_reference_logps(self, dataset, processing_class, args):
@@ -223,6 +252,10 @@ class _SyncReference(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % args.params.ref_model_sync_steps == 0:
             self.trainer.reference.mix_from(self.trainer.model, args.params.ref_model_mixup_alpha)
+
+
+def _takes(term, name: str) -> bool:
+    return term.component.params is not None and name in attrs.fields_dict(term.component.params)
 
 
 @hookimpl

@@ -2,11 +2,13 @@
 
 Three pairs with hand-picked log-probs; each variant that uses s = f(r) is checked under every
 f-divergence, and the ones that use raw log-ratios or log-probs must ignore the divergence.
+The semantics are TRL 1.16's (docs/trl-differences.md lists where plait differs on purpose).
 """
 
 import importlib.metadata
 import math
 
+import attrs
 import pytest
 import torch
 
@@ -42,8 +44,8 @@ def batch(divergence="reverse_kl", dtype=torch.float64, **override):
 
 
 def f(divergence, r, alpha=0.5):
-    return {"reverse_kl": r, "forward_kl": -math.exp(-r), "js_divergence": math.log(1 / (1 + math.exp(-r))),
-            "alpha_divergence": math.exp((alpha - 1) * r) / (alpha - 1)}[divergence]
+    return {"reverse_kl": r, "forward_kl": 1 - math.exp(-r), "js_divergence": math.log(2 / (1 + math.exp(-r))),
+            "alpha_divergence": (math.exp((alpha - 1) * r) - 1) / (alpha - 1)}[divergence]
 
 
 def sig(x):
@@ -60,26 +62,30 @@ def pairs(divergence):
         yield dict(rc=rc, rr=rr, sc=f(divergence, rc), sr=f(divergence, rr), lc=LEN_C[i], lr=LEN_R[i], lpc=CHOSEN[i])
 
 
+SFT_BY_HAND = -sum(CHOSEN) / sum(LEN_C)  # the batch's chosen tokens, each weighing the same
+
 # name -> (params, per-pair loss by hand)
 PER_PAIR = {
-    "dpo.sigmoid": ({"beta": B, "label_smoothing": 0.1},
-                    lambda p: -0.9 * logsig(B * (p["sc"] - p["sr"])) - 0.1 * logsig(-B * (p["sc"] - p["sr"]))),
+    "dpo.sigmoid": ({"beta": B}, lambda p: -logsig(B * (p["sc"] - p["sr"]))),
+    "dpo.cdpo": ({"beta": B, "label_smoothing": 0.1},
+                 lambda p: -0.9 * logsig(B * (p["sc"] - p["sr"])) - 0.1 * logsig(-B * (p["sc"] - p["sr"]))),
     "dpo.hinge": ({"beta": B}, lambda p: max(0.0, 1 - B * (p["sc"] - p["sr"]))),
     "dpo.ipo": ({"beta": B}, lambda p: (p["sc"] / p["lc"] - p["sr"] / p["lr"] - 1 / (2 * B)) ** 2),
     "dpo.exo_pair": ({"beta": B, "label_smoothing": 0.05}, lambda p: (
         sig(B * (p["sc"] - p["sr"])) * (logsig(B * (p["sc"] - p["sr"])) - math.log(0.95))
         + sig(-B * (p["sc"] - p["sr"])) * (logsig(-B * (p["sc"] - p["sr"])) - math.log(0.05)))),
-    "dpo.nca_pair": ({"beta": B}, lambda p: -logsig(B * p["sc"]) - 0.5 * logsig(-B * p["sc"]) - 0.5 * logsig(-B * p["sr"])),
+    # nca_pair, bco_pair, sppo_hard, apo_zero, apo_down read raw log-ratios r (no f-divergence applies to them)
+    "dpo.nca_pair": ({"beta": B}, lambda p: -logsig(B * p["rc"]) - 0.5 * logsig(-B * p["rc"]) - 0.5 * logsig(-B * p["rr"])),
     "dpo.robust": ({"beta": B, "label_smoothing": 0.2}, lambda p: (
         -0.8 * logsig(B * (p["sc"] - p["sr"])) + 0.2 * logsig(-B * (p["sc"] - p["sr"]))) / 0.6),
-    "dpo.bco_pair": ({"beta": B}, lambda p: -logsig(B * p["sc"]) - logsig(-B * p["sr"])),
-    "dpo.sppo_hard": ({"beta": B}, lambda p: (p["sc"] - 1 / (2 * B)) ** 2 + (p["sr"] + 1 / (2 * B)) ** 2),
+    "dpo.bco_pair": ({"beta": B}, lambda p: -logsig(B * p["rc"]) - logsig(-B * p["rr"])),
+    "dpo.sppo_hard": ({"beta": B}, lambda p: (p["rc"] - 1 / (2 * B)) ** 2 + (p["rr"] + 1 / (2 * B)) ** 2),
     "dpo.apo_zero": ({"beta": B}, lambda p: 1 - sig(B * p["rc"]) + sig(B * p["rr"])),
-    "dpo.apo_down": ({"beta": B}, lambda p: sig(B * p["rc"]) + 1 - sig(B * (p["sc"] - p["sr"]))),
+    "dpo.apo_down": ({"beta": B}, lambda p: sig(B * p["rc"]) + 1 - sig(B * (p["rc"] - p["rr"]))),
     "dpo.discopop": ({"beta": B, "discopop_tau": 0.05}, lambda p: (
         (1 - sig(B * (p["sc"] - p["sr"]) / 0.05)) * -logsig(B * (p["sc"] - p["sr"]))
         + sig(B * (p["sc"] - p["sr"]) / 0.05) * math.exp(-B * (p["sc"] - p["sr"])))),
-    "dpo.sft": ({}, lambda p: -p["lpc"] / p["lc"]),
+    "dpo.sft": ({}, lambda p: SFT_BY_HAND),
     "dpo.sigmoid_norm": ({"beta": B}, lambda p: -logsig(B * (p["sc"] / p["lc"] - p["sr"] / p["lr"]))),
 }
 
@@ -127,6 +133,30 @@ def test_aot_differs_from_dpo_on_this_batch(losses):
     assert not torch.allclose(aot.sort().values, dpo.sort().values)
 
 
+def test_f_divergence_constants_reach_the_length_normalised_losses(losses):
+    # TRL 1.16's shifted transforms: with JS, s = log 2 + log σ(r); the log 2 survives s_c/|y_c| − s_r/|y_r|
+    rc, rr = CHOSEN[0] - REF_CHOSEN[0], REJECTED[0] - REF_REJECTED[0]
+    normalised = (math.log(2) + logsig(rc)) / LEN_C[0] - (math.log(2) + logsig(rr)) / LEN_R[0]
+    ipo = compute(losses, "dpo.ipo", {"beta": B}, "js_divergence")[0].item()
+    assert ipo == pytest.approx((normalised - 1 / (2 * B)) ** 2)
+    without_constant = logsig(rc) / LEN_C[0] - logsig(rr) / LEN_R[0]
+    assert ipo != pytest.approx((without_constant - 1 / (2 * B)) ** 2)  # the constant changes the value
+
+
+def test_sft_is_the_token_mean_over_the_batch_not_the_mean_of_sequence_means(losses):
+    value = compute(losses, "dpo.sft", {})
+    assert torch.equal(value, torch.full((3,), value[0].item(), dtype=torch.float64))
+    assert value[0].item() == pytest.approx((5.0 + 12.0 + 3.5) / (4 + 10 + 3))
+    assert value[0].item() != pytest.approx((5.0 / 4 + 12.0 / 10 + 3.5 / 3) / 3)
+
+
+def test_sft_reads_the_unweighted_log_probs_when_the_method_weights_tokens(losses):
+    # LD-DPO down-weights the tail in chosen_logps; the NLL anchor keeps the plain sum
+    data = attrs.evolve(batch(), unweighted_chosen_logps=torch.tensor([-6.0, -14.0, -4.0], dtype=torch.float64))
+    component = losses.get("dpo.sft")
+    assert component.obj(data, None)[0].item() == pytest.approx(24.0 / 17)
+
+
 def test_exo_pair_defaults_to_epsilon_1e3_and_reads_zero_as_default(losses):
     component = losses.get("dpo.exo_pair")
     assert component.make_params().label_smoothing == 1e-3
@@ -149,7 +179,13 @@ def test_flags(losses):
     assert {n for n in MY_LOSSES if losses.get(n).options.get("monotone") == "non_increasing_in_margin"} \
         == {"dpo.sigmoid", "dpo.hinge", "dpo.robust"}
     assert {n for n in MY_LOSSES if losses.get(n).options.get("batch_coupled")} \
+        == {"dpo.aot", "dpo.aot_unpaired", "dpo.aot_pair", "dpo.sft"}
+    assert {n for n in MY_LOSSES if losses.get(n).options.get("sorts_batch")} \
         == {"dpo.aot", "dpo.aot_unpaired", "dpo.aot_pair"}
+    # TRL 1.16's list of losses a non-default f-divergence applies to (plus cdpo, a margin loss)
+    assert {n for n in MY_LOSSES if losses.get(n).options.get("f_divergence")} \
+        == {"dpo.sigmoid", "dpo.cdpo", "dpo.sigmoid_norm", "dpo.hinge", "dpo.ipo", "dpo.exo_pair", "dpo.robust",
+            "dpo.discopop", "dpo.sft"}
     assert all(losses.get(n).options["consumes"] is PreferenceLogps for n in MY_LOSSES)
 
 
@@ -173,6 +209,10 @@ def test_unflagged_losses_really_rise_somewhere(losses, name):
     assert (margin_sweep(losses, name, beta=B).diff() > 1e-9).any()
 
 
+def test_cdpo_rises_past_its_target_margin(losses):
+    assert (margin_sweep(losses, "dpo.cdpo", beta=B, label_smoothing=0.1).diff() > 1e-9).any()
+
+
 def test_every_module_has_an_entry_point():
     modules = {ep.value for ep in importlib.metadata.entry_points(group="plait")}
     for module in ["dpo_hinge", "dpo_ipo", "dpo_exo_pair", "dpo_nca_pair", "dpo_robust", "dpo_bco_pair",
@@ -190,7 +230,7 @@ def test_composition_is_the_weighted_sum_of_named_parts(losses):
     total, parts = objective(batch())
 
     sigmoid = sum(-logsig(B * (p["sc"] - p["sr"])) for p in pairs("reverse_kl")) / 3
-    sft = sum(-p["lpc"] / p["lc"] for p in pairs("reverse_kl")) / 3
+    sft = SFT_BY_HAND
     hinge = sum(max(0.0, 1 - 0.5 * (p["sc"] - p["sr"])) for p in pairs("reverse_kl")) / 3  # own beta wins
     assert list(parts) == ["dpo.sigmoid", "dpo.sft", "dpo.hinge"]
     assert parts["dpo.sigmoid"].item() == pytest.approx(sigmoid)
@@ -233,7 +273,7 @@ def test_beta_must_be_positive(losses, name, beta):
 
 
 @pytest.mark.parametrize("name, value, valid", [
-    ("dpo.sigmoid", 0.6, r"\[0.0, 0.5\]"), ("dpo.sigmoid", -0.1, r"\[0.0, 0.5\]"),
+    ("dpo.cdpo", 0.6, r"\[0.0, 0.5\]"), ("dpo.cdpo", -0.1, r"\[0.0, 0.5\]"),
     ("dpo.robust", 0.5, r"\[0.0, 0.5\)"), ("dpo.robust", -0.1, r"\[0.0, 0.5\)"),
     ("dpo.exo_pair", -0.1, r"\(0.0, 0.5\]"), ("dpo.exo_pair", 0.7, r"\(0.0, 0.5\]"),
     ("dpo.aot", 0.6, r"\[0.0, 0.5\]"), ("dpo.aot_unpaired", 0.6, r"\[0.0, 0.5\]"),
@@ -252,5 +292,67 @@ def test_discopop_tau_must_be_positive(losses, tau):
 def test_label_smoothing_is_refused_where_the_formula_has_none(losses):
     with pytest.raises(PlaitError, match="loss 'dpo.hinge': unknown parameter 'label_smoothing'"):
         losses.get("dpo.hinge").make_params(label_smoothing=0.1)
+    # TRL 1.16's sigmoid reads no label smoothing; conservative DPO is its own loss, dpo.cdpo
+    with pytest.raises(PlaitError, match="loss 'dpo.sigmoid': unknown parameter 'label_smoothing'"):
+        losses.get("dpo.sigmoid").make_params(label_smoothing=0.1)
     with pytest.raises(PlaitError, match="loss 'dpo.sft' takes no parameters"):
         losses.get("dpo.sft").make_params(beta=0.1)
+
+
+# ---- what the DPO method checks against each loss's declaration ------------------------------
+
+NOT_ON_THE_MARGIN = ["nca_pair", "bco_pair", "sppo_hard", "aot", "aot_unpaired", "apo_zero", "apo_down"]
+
+
+def dpo_trainer(tmp_path, **config):
+    """A DPOTrainer on a model folder that does not exist: validation must refuse before any load."""
+    from plait.plugins.dpo import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=str(tmp_path), report_to="none", **config)
+    return DPOTrainer(str(tmp_path / "no-model-here"), args=args)
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "js_divergence", "alpha_divergence"])
+@pytest.mark.parametrize("loss_type", NOT_ON_THE_MARGIN)
+def test_a_non_default_divergence_is_refused_where_it_does_not_apply(tmp_path, loss_type, divergence):
+    with pytest.raises(PlaitError, match=rf"f_divergence_type='{divergence}' does not apply to \['dpo.{loss_type}'\]"):
+        dpo_trainer(tmp_path, loss_type=["sigmoid", loss_type], f_divergence_type=divergence)
+
+
+@pytest.mark.parametrize("loss_type", ["aot", "aot_unpaired"])
+def test_weighting_is_refused_for_losses_that_sort_the_batch(tmp_path, loss_type):
+    with pytest.raises(PlaitError, match=rf"use_weighting=True .* \['dpo.{loss_type}'\] sort the batch"):
+        dpo_trainer(tmp_path, loss_type=loss_type, use_weighting=True)
+
+
+def test_label_smoothing_no_loss_reads_is_flagged(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="plait"), pytest.raises(PlaitError, match="no such folder"):
+        dpo_trainer(tmp_path, loss_type="sigmoid", label_smoothing=0.1)  # accepted: it got as far as loading
+    assert "label_smoothing=0.1 is read by none of ['dpo.sigmoid']" in caplog.text and "loss_type='cdpo'" in caplog.text
+
+
+def test_label_smoothing_reaches_cdpo(losses):
+    specs = normalise_loss_specs("cdpo")
+    objective = Objective.build(specs, losses, family="dpo", consumes=PreferenceLogps,
+                                shared={"beta": B, "label_smoothing": 0.2})
+    assert objective.params_of("dpo.cdpo").label_smoothing == 0.2
+
+
+class TokenStats:
+    """What token_logprobs returns, reduced to the two fields WPO reads."""
+
+    def __init__(self, logps, collision):
+        self.logps, self.collision = torch.tensor(logps).log(), torch.tensor(collision).log()
+
+
+def test_wpo_weights_are_not_capped_by_default_as_in_trl():
+    from plait.plugins.dpo import DPOTrainer
+
+    # one pair of one token each: p(y) = 0.9 on a two-way distribution, Σ p² = 0.82, so each side weighs
+    # 0.9 / 0.82 = 1.0976 and the pair 1.2047 > 1; the rejected side p = 0.5 of a uniform pair weighs 1
+    out = TokenStats([[0.9], [0.5]], [[0.82], [0.5]])
+    mask = torch.ones(2, 1)
+    assert DPOTrainer._wpo_weights(out, mask, None).item() == pytest.approx(0.9 / 0.82)
+    chosen_only = TokenStats([[0.9], [0.9]], [[0.82], [0.82]])
+    assert DPOTrainer._wpo_weights(chosen_only, mask, None).item() == pytest.approx((0.9 / 0.82) ** 2)
+    assert DPOTrainer._wpo_weights(chosen_only, mask, 1.0).item() == 1.0  # the WPO authors' cap
