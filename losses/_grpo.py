@@ -36,8 +36,8 @@ class ClipParams:
     ``epsilon`` / ``epsilon_high`` bound the ratio clip [1 − ε, 1 + ε_high] (ε_high defaults to ε;
     DAPO recommends 0.28; for cispo it is the truncation cap, ScaleRL uses 5.0). ``delta`` caps ρ
     in the unclipped branch (two-sided clipping, INTELLECT-2). ``beta`` > 0 adds β·KL(π‖π_ref)
-    with the k3 estimator. ``importance_sampling_level`` "sequence" is GSPO's length-normalised
-    sequence ratio.
+    with the k3 estimator, weighted by the importance ratio ρ unless ``use_bias_correction_kl`` is
+    False. ``importance_sampling_level`` "sequence" is GSPO's length-normalised sequence ratio.
     """
 
     epsilon: float = attrs.field(default=0.2, validator=positive)
@@ -45,6 +45,7 @@ class ClipParams:
     delta: float | None = attrs.field(default=None, validator=_optional_positive)
     beta: float = attrs.field(default=0.0, validator=non_negative)
     importance_sampling_level: str = attrs.field(default="token", validator=_level)
+    use_bias_correction_kl: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
     @property
     def eps_high(self) -> float:
@@ -90,13 +91,24 @@ def k3_kl(batch: PolicyTokens) -> Tensor:
     return torch.exp(r) - r - 1
 
 
+def corrected_kl(batch: PolicyTokens, p: ClipParams) -> Tensor:
+    """ρ·k3 with ρ = π/π_old at the loss's importance-sampling level: the unbiased KL estimate of
+    DeepSeek-AI 2025, "DeepSeek-V3.2".
+
+    The completions were sampled from π_old, so k3 averaged over them estimates KL(π_old‖π_ref);
+    weighting by ρ (with its gradient) makes the estimate, and its gradient, those of KL(π‖π_ref).
+    On-policy ρ = 1 but its gradient is not zero: d(ρ·k3)/d log π = log π − log π_ref per token.
+    """
+    return torch.exp(log_ratio(batch, p.importance_sampling_level)) * k3_kl(batch)
+
+
 def regularise(per_token: Tensor, batch: PolicyTokens, p: ClipParams) -> Tensor:
     """Apply the sampler-correction weights to the policy term, then add β·KL; ``[B, T]``."""
     per_token = per_token.expand_as(batch.logps)
     if batch.importance_weights is not None:
         per_token = per_token * batch.importance_weights
     if p.beta > 0:
-        per_token = per_token + p.beta * k3_kl(batch)
+        per_token = per_token + p.beta * (corrected_kl(batch, p) if p.use_bias_correction_kl else k3_kl(batch))
     return per_token
 
 

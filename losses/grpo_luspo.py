@@ -1,26 +1,35 @@
-"""LUSPO: GSPO's sequence-level clipped surrogate, with each sequence weighted by its length.
+"""LUSPO: the clipped surrogate with each sequence's loss scaled by its length.
 
-Length-Unbiased Sequence Policy Optimization (2025). With the GSPO ratio
-ρ_i = exp(mean_t(log π − log π_old)) shared by every token of sequence i:
+Length-Unbiased Sequence Policy Optimization (2025). With L_it the clipped surrogate of token t
+of sequence i:
 
-    L_i = −min(ρ_i A_i, clip(ρ_i, 1 − ε, 1 + ε_high)·A_i)
-    loss = mean_i( Σ_t L_i·m_it ) = mean_i( L_i·|y_i| ) ÷ gradient-accumulation steps
+    loss = mean_i( Σ_t L_it·m_it ) ÷ gradient-accumulation steps
 
-GSPO's per-sequence mean makes a long completion's tokens count less; scaling by |y_i| removes
-that bias. The ratio is sequence-level by default (``importance_sampling_level``). Returns a scalar.
+GSPO's per-sequence mean makes a long completion's tokens count less; summing instead removes
+that bias. The paper pairs it with GSPO's sequence ratio ρ_i = exp(mean_t(log π − log π_old)),
+shared by every token of sequence i (then mean_i(L_i·|y_i|)): set
+``importance_sampling_level="sequence"``. The default is the token ratio, as in TRL 1.16, which
+warns about it as plait does. Returns a scalar.
 """
+
+import logging
 
 import attrs
 
 from plait import hookimpl
 from plait.batches import PolicyTokens
 
-from ._grpo import ClipParams, _level, clipped_surrogate, length_weighted_sequence_mean, regularise
+from ._grpo import ClipParams, clipped_surrogate, length_weighted_sequence_mean, regularise
+
+logger = logging.getLogger("plait")
 
 
 @attrs.frozen
 class LUSPOParams(ClipParams):
-    importance_sampling_level: str = attrs.field(default="sequence", validator=_level)
+    def __attrs_post_init__(self) -> None:
+        if self.importance_sampling_level != "sequence":
+            logger.warning("grpo.luspo: importance_sampling_level=%r (the default, as in TRL 1.16); the LUSPO paper "
+                           "uses 'sequence'", self.importance_sampling_level)
 
 
 def grpo_luspo(batch: PolicyTokens, p: LUSPOParams):

@@ -25,7 +25,7 @@ SCALE_REWARDS = {"group": "advantage.group", True: "advantage.group", "batch": "
                  "none": "advantage.none", False: "advantage.none"}
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 # Method knobs handed to every loss term that accepts them (like DPO's beta)
-SHARED_LOSS_FIELDS = ("epsilon", "epsilon_high", "delta", "beta", "importance_sampling_level",
+SHARED_LOSS_FIELDS = ("epsilon", "epsilon_high", "delta", "beta", "importance_sampling_level", "use_bias_correction_kl",
                       "sapo_temperature_pos", "sapo_temperature_neg",
                       "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 
@@ -43,7 +43,8 @@ class GRPOParams(OnlineParams):
     gives plait's list of ``{name, weight, **params}``. ``scale_rewards`` picks the advantage
     estimator (group / batch / none), ``multi_objective_aggregation="normalize_then_sum"`` is
     GDPO, and ``advantage_estimator`` names any registered one (``{name, **params}`` too).
-    ``importance_sampling_level`` None lets each loss type use its own (token; luspo: sequence).
+    ``importance_sampling_level`` None lets each loss type use its own (token for every built-in one, as
+    in TRL 1.16). ``use_bias_correction_kl`` weights the β·KL term by the importance ratio (TRL 1.16's default).
     """
 
     loss_type: str | list | None = None
@@ -53,6 +54,7 @@ class GRPOParams(OnlineParams):
     multi_objective_aggregation: str = "sum_then_normalize"
     advantage_estimator: str | dict | None = None
     importance_sampling_level: str | None = attrs.field(default=None, validator=_optional_level)
+    use_bias_correction_kl: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     sapo_temperature_pos: float = attrs.field(default=1.0, validator=positive)
     sapo_temperature_neg: float = attrs.field(default=1.05, validator=positive)
     vespo_k_pos: float = attrs.field(default=2.0, validator=non_negative)

@@ -102,7 +102,8 @@ def test_method_knobs_reach_the_loss_parameters():
     t = trainer(loss_type=["sapo", "luspo"], loss_weights=[1.0, 0.5], epsilon=0.3, sapo_temperature_neg=2.0)
     sapo, luspo = t.objective.params_of("grpo.sapo"), t.objective.params_of("grpo.luspo")
     assert (sapo.epsilon, sapo.sapo_temperature_neg, sapo.importance_sampling_level) == (0.3, 2.0, "token")
-    assert luspo.importance_sampling_level == "sequence"  # the loss type's own default when the config says None
+    assert luspo.importance_sampling_level == "token"  # TRL 1.16's default for every loss type, luspo too
+    assert luspo.use_bias_correction_kl and sapo.use_bias_correction_kl  # TRL 1.16's default
     assert [term.weight for term in t.objective.terms] == [1.0, 0.5]
     assert t.objective.params_of("grpo.sapo").beta == 0.0
 

@@ -101,11 +101,22 @@ def test_sequence_level_ratio_is_gspo(losses):
 
 def test_luspo_weights_each_sequence_by_its_length(losses):
     r0, r1 = math.sqrt(1.35), 1.65 ** (1 / 3)
-    # sequence-level ratio by default; loss = mean_i(L_i · |y_i|)
-    assert loss(losses, "grpo.luspo").item() == pytest.approx((-r0 * 2 + r1 * 3) / 2, rel=1e-5)
-    assert loss(losses, "grpo.luspo", importance_sampling_level="token").item() == pytest.approx((-2.1 + 4.9) / 2, rel=1e-5)
+    # token-level ratio by default, as in TRL 1.16: loss = mean_i(Σ_t L_it)
+    assert loss(losses, "grpo.luspo").item() == pytest.approx((-2.1 + 4.9) / 2, rel=1e-5)
+    # the paper's sequence-level ratio: mean_i(L_i · |y_i|)
+    sequence = {"importance_sampling_level": "sequence"}
+    assert loss(losses, "grpo.luspo", **sequence).item() == pytest.approx((-r0 * 2 + r1 * 3) / 2, rel=1e-5)
     data = batch(gradient_accumulation_steps=4)
-    assert loss(losses, "grpo.luspo", data).item() == pytest.approx((-r0 * 2 + r1 * 3) / 2 / 4, rel=1e-5)
+    assert loss(losses, "grpo.luspo", data, **sequence).item() == pytest.approx((-r0 * 2 + r1 * 3) / 2 / 4, rel=1e-5)
+
+
+def test_luspo_at_token_level_says_the_paper_uses_sequence(losses, caplog):
+    with caplog.at_level("WARNING", logger="plait"):
+        losses.get("grpo.luspo").make_params(importance_sampling_level="sequence")
+    assert caplog.text == ""
+    with caplog.at_level("WARNING", logger="plait"):
+        losses.get("grpo.luspo").make_params()
+    assert "importance_sampling_level='token'" in caplog.text and "paper uses 'sequence'" in caplog.text
 
 
 # -- the other per-token terms ------------------------------------------------------------------
@@ -147,13 +158,40 @@ def test_vespo_kernel_is_one_on_policy(losses):
     assert loss(losses, "grpo.vespo", data).item() == pytest.approx(-(-3.0 + 2.2) / 5, rel=1e-5)
 
 
-def test_beta_adds_k3_kl_to_the_reference(losses):
-    # ref − logπ = +0.5 and −0.5 on row 0's two tokens: k3 = e^r − r − 1 = 0.148721 + 0.106531
-    shift = torch.tensor([[0.5, -0.5, 0, 0], [0, 0, 0, 0]])
-    data = batch(ref_logps=torch.tensor(LOGPS) + shift)
-    expected = (2.8 + 0.1 * (math.exp(0.5) - 1.5 + math.exp(-0.5) - 0.5)) / 5
+# ref − logπ = +0.5 and −0.5 on row 0's two tokens: k3 = e^r − r − 1 = 0.148721 and 0.106531
+SHIFT = torch.tensor([[0.5, -0.5, 0, 0], [0, 0, 0, 0]])
+K3 = (math.exp(0.5) - 1.5, math.exp(-0.5) - 0.5)
+
+
+def test_beta_adds_k3_kl_weighted_by_the_importance_ratio(losses):
+    data = batch(ref_logps=torch.tensor(LOGPS) + SHIFT)
+    # TRL 1.16's default use_bias_correction_kl: each token's k3 times its ratio ρ (1.5 and 0.9 on row 0)
+    expected = (2.8 + 0.1 * (1.5 * K3[0] + 0.9 * K3[1])) / 5
     assert loss(losses, "grpo.bnpo", data, beta=0.1).item() == pytest.approx(expected, rel=1e-5)
+    plain = (2.8 + 0.1 * (K3[0] + K3[1])) / 5
+    assert loss(losses, "grpo.bnpo", data, beta=0.1, use_bias_correction_kl=False).item() == pytest.approx(plain, rel=1e-5)
     assert loss(losses, "grpo.bnpo", data, beta=0.0).item() == pytest.approx(2.8 / 5, rel=1e-5)
+
+
+def test_bias_corrected_kl_at_sequence_level_uses_the_sequence_ratio(losses):
+    data = batch(ref_logps=torch.tensor(LOGPS) + SHIFT, advantages=torch.zeros(2))  # A = 0: only the KL term
+    value = loss(losses, "grpo.bnpo", data, beta=0.1, importance_sampling_level="sequence")
+    assert value.item() == pytest.approx(0.1 * math.sqrt(1.35) * (K3[0] + K3[1]) / 5, rel=1e-5)
+
+
+@pytest.mark.parametrize("corrected", [True, False])
+def test_bias_correction_changes_the_on_policy_kl_gradient(losses, corrected):
+    # on-policy ρ = 1, so the value is the same, but d(ρ·k3)/d log π = log π − log π_ref (the reverse-KL
+    # gradient), where plain k3 gives 1 − exp(log π_ref − log π)
+    data = batch(ref_logps=torch.tensor(LOGPS) + SHIFT, advantages=torch.zeros(2))
+    data = PolicyTokens(data.logps, data.logps.detach(), data.advantages, data.mask, ref_logps=data.ref_logps,
+                        num_items_in_batch=5)
+    value = loss(losses, "grpo.dapo", data, beta=0.1, use_bias_correction_kl=corrected)
+    assert value.item() == pytest.approx(0.1 * (K3[0] + K3[1]) / 5, rel=1e-5)
+    value.backward()
+    r = SHIFT * torch.tensor(MASK)
+    expected = 0.1 * (-r if corrected else 1 - torch.exp(r)) * torch.tensor(MASK) / 5
+    assert torch.allclose(data.logps.grad, expected, atol=1e-7)
 
 
 def test_beta_without_reference_log_probs_is_an_error(losses):
