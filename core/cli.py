@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import attrs
 
 from .errors import PlaitError
+from .catalog import Catalog, load_catalog
 from .manager import KINDS, Plugins, make_plugins
 
 
@@ -103,13 +104,31 @@ BUILTIN = {
                     "registered components of one kind"),
     "env": Command(cmd_env, help="versions of plait and its dependencies, and the device"),
 }
+LISTINGS = ("plugins", "list")  # commands that only read the registry
 
 
-def build_parser(plugins: Plugins) -> argparse.ArgumentParser:
+def method_command(name: str, method=None) -> Command:
+    """``plait <name>`` for a registered method. :mod:`plait.run` (configs, transformers) is imported
+    only when the command is used, so listing commands stays instant."""
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        from .run import add_method_arguments
+
+        add_method_arguments(parser, name, method)
+
+    def run(args: argparse.Namespace, plugins: Plugins) -> int:
+        from .run import run_method
+
+        return run_method(name, method, args, plugins)
+
+    return Command(run, add_arguments, help=f"train with the {name!r} method from a YAML recipe", accepts_extra=True)
+
+
+def build_parser(plugins: Plugins | Catalog, selected: str | None = None) -> argparse.ArgumentParser:
+    """Every command with its help line; only the ``selected`` one gets its arguments (building a
+    method's flags reads its whole Config, which a listing or another command never needs)."""
     parser = argparse.ArgumentParser(prog="plait", description="Post-training for language models, as plugins.")
     sub = parser.add_subparsers(dest="command", metavar="command", required=True)
-    from .run import method_command  # run.py builds on this module's Command
-
     commands = dict(BUILTIN)
     for component in plugins.methods:  # every method, third-party ones included, gets `plait <method>`
         name = component.name.split(".", 1)[1]
@@ -119,12 +138,19 @@ def build_parser(plugins: Plugins) -> argparse.ArgumentParser:
         if name in commands:  # never let a plugin silently replace a built-in or a method's command
             raise PlaitError(f"command {component.name!r} from plugin {component.plugin} would replace "
                              f"'plait {name}'; rename it or block the plugin with PLAIT_DISABLE_PLUGINS")
-        commands[name] = component.obj
+        # from the catalog a command is only its help line: listings never run it
+        commands[name] = component.obj or Command(run=None, help=component.summary)
     for name, command in commands.items():
         sub_parser = sub.add_parser(name, help=command.help, description=command.help)
-        command.add_arguments(sub_parser)
+        if name == selected:
+            command.add_arguments(sub_parser)
         sub_parser.set_defaults(_command=command)
     return parser
+
+
+def _only_lists(argv: Sequence[str]) -> bool:
+    """`plait`, `plait --help`, `plait list ...`, `plait plugins`: answered from the catalog."""
+    return not argv or argv[0] in ("-h", "--help", *LISTINGS)
 
 
 def main(argv: Sequence[str] | None = None, *, plugins: Plugins | None = None) -> int:
@@ -132,9 +158,9 @@ def main(argv: Sequence[str] | None = None, *, plugins: Plugins | None = None) -
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if plugins is None:
-            plugins = make_plugins()
-        parser = build_parser(plugins)
-        if argv and argv[0] not in BUILTIN and f"method.{argv[0]}" not in plugins.methods:
+            plugins = load_catalog() if _only_lists(argv) else make_plugins()
+        parser = build_parser(plugins, selected=argv[0] if argv else None)
+        if argv and argv[0] not in BUILTIN and not argv[0].startswith("-") and f"method.{argv[0]}" not in plugins.methods:
             # `plait dpo` with dpo's plugin disabled: say by what, not argparse's "invalid choice"
             why = plugins.why_disabled("methods", [f"method.{argv[0]}"]) or \
                 plugins.why_disabled("commands", [f"command.{argv[0]}"])

@@ -173,17 +173,11 @@ def make_plugins(
     ``disable``, ``autoload`` and ``on_import_error`` ("fail" or "skip") add to / override the
     environment switches documented in this module's docstring.
     """
-    by_env = _env_list("PLAIT_DISABLE_PLUGINS")
-    blocked = set(disable) | set(by_env)
     autoload_by = "make_plugins(autoload=False) or a recipe's plugins: {autoload: false}"
     if autoload is None:
         autoload = not _env_flag("PLAIT_DISABLE_PLUGIN_AUTOLOAD")
         autoload_by = f"PLAIT_DISABLE_PLUGIN_AUTOLOAD={os.environ.get('PLAIT_DISABLE_PLUGIN_AUTOLOAD', '')}"
-    on_import_error = on_import_error or os.environ.get("PLAIT_ON_PLUGIN_ERROR", "fail")
-    if on_import_error not in ("fail", "skip"):
-        raise PluginLoadError(
-            f"plugins.on_import_error={on_import_error!r} is not valid; use 'fail' or 'skip'"
-        )
+    on_import_error = import_error_policy(on_import_error)
     trace = _env_flag("PLAIT_TRACE_HOOKS") if trace is None else trace
 
     pm = pluggy.PluginManager(hookspecs.PROJECT)
@@ -193,49 +187,75 @@ def make_plugins(
         pm.enable_tracing()
 
     infos: dict[str, PluginInfo] = {}
-    disabled: dict[str, Disabled] = {}
-    if autoload:
-        entry_points = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
-        _warn_unknown(by_env, set(disable), entry_points)
-        for ep in entry_points:
-            dist = ep.dist.name if ep.dist else "(unknown distribution)"
-            version = ep.dist.version if ep.dist else "?"
-            if ep.name in blocked or dist in blocked:
-                token = ep.name if ep.name in blocked else dist
-                if token in by_env:
-                    by = f"PLAIT_DISABLE_PLUGINS={os.environ.get('PLAIT_DISABLE_PLUGINS', '')}"
-                    fix = f"remove {token} from PLAIT_DISABLE_PLUGINS"
-                else:
-                    by, fix = "the recipe's plugins.disable (or make_plugins(disable=...))", f"remove {token} from it"
-                disabled.setdefault(ep.name, Disabled(ep, by, fix))
-                continue
-            if ep.name in infos and infos[ep.name].module != ep.value:
-                raise PluginLoadError(
-                    f"two plugins are named {ep.name!r}: {infos[ep.name].module!r} ({infos[ep.name].distribution}) "
-                    f"and {ep.value!r} ({dist}); uninstall one or block it with PLAIT_DISABLE_PLUGINS"
-                )
-            if ep.name in infos:  # the same distribution seen twice on sys.path
-                continue
-            try:
-                module = ep.load()
-                pm.register(module, name=ep.name)
-            except KeyboardInterrupt:
-                raise
-            except BaseException as err:  # noqa: BLE001 - SystemExit on import is a broken plugin like any other
-                message = (
-                    f"plait plugin {ep.name!r} (entry point {ep.value!r}, distribution {dist} {version}) "
-                    f"failed to load: {type(err).__name__}: {err}; fix or uninstall it, block it with "
-                    f"PLAIT_DISABLE_PLUGINS={ep.name}, or set PLAIT_ON_PLUGIN_ERROR=skip"
-                )
-                if on_import_error == "fail":
-                    raise PluginLoadError(message) from err
-                logger.warning(message)
-                continue
-            infos[ep.name] = PluginInfo(ep.name, dist, version, ep.value)
+    chosen, disabled = select_entry_points(disable) if autoload else ([], {})
+    for ep in chosen:
+        dist, version = _provenance(ep)
+        try:
+            module = ep.load()
+            pm.register(module, name=ep.name)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as err:  # noqa: BLE001 - SystemExit on import is a broken plugin like any other
+            message = (
+                f"plait plugin {ep.name!r} (entry point {ep.value!r}, distribution {dist} {version}) "
+                f"failed to load: {type(err).__name__}: {err}; fix or uninstall it, block it with "
+                f"PLAIT_DISABLE_PLUGINS={ep.name}, or set PLAIT_ON_PLUGIN_ERROR=skip"
+            )
+            if on_import_error == "fail":
+                raise PluginLoadError(message) from err
+            logger.warning(message)
+            continue
+        infos[ep.name] = PluginInfo(ep.name, dist, version, ep.value)
     for plugin in plugins:
         pm.register(plugin)
     pm.check_pending()  # a misspelt hook name fails here, naming the plugin and the hook
     return Plugins(pm, infos, trace, disabled, None if autoload else autoload_by)
+
+
+def import_error_policy(on_import_error: str | None = None) -> str:
+    """``fail`` or ``skip``: the argument, else ``PLAIT_ON_PLUGIN_ERROR``, else ``fail``."""
+    on_import_error = on_import_error or os.environ.get("PLAIT_ON_PLUGIN_ERROR", "fail")
+    if on_import_error not in ("fail", "skip"):
+        raise PluginLoadError(
+            f"plugins.on_import_error={on_import_error!r} is not valid; use 'fail' or 'skip'"
+        )
+    return on_import_error
+
+
+def _provenance(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
+    return (ep.dist.name, ep.dist.version) if ep.dist else ("(unknown distribution)", "?")
+
+
+def select_entry_points(disable: Iterable[str] = ()) -> tuple[list[importlib.metadata.EntryPoint], dict[str, Disabled]]:
+    """The entry points of the ``plait`` group to load, in order, and those disabled (with why).
+
+    Shared by :func:`make_plugins` and :mod:`plait.catalog`, so a listing and a run see the same plugins.
+    """
+    by_env = _env_list("PLAIT_DISABLE_PLUGINS")
+    blocked = set(disable) | set(by_env)
+    entry_points = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+    _warn_unknown(by_env, set(disable), entry_points)
+    chosen: dict[str, importlib.metadata.EntryPoint] = {}
+    disabled: dict[str, Disabled] = {}
+    for ep in entry_points:
+        dist, _ = _provenance(ep)
+        if ep.name in blocked or dist in blocked:
+            token = ep.name if ep.name in blocked else dist
+            if token in by_env:
+                by = f"PLAIT_DISABLE_PLUGINS={os.environ.get('PLAIT_DISABLE_PLUGINS', '')}"
+                fix = f"remove {token} from PLAIT_DISABLE_PLUGINS"
+            else:
+                by, fix = "the recipe's plugins.disable (or make_plugins(disable=...))", f"remove {token} from it"
+            disabled.setdefault(ep.name, Disabled(ep, by, fix))
+            continue
+        seen = chosen.get(ep.name)
+        if seen is not None and seen.value != ep.value:
+            raise PluginLoadError(
+                f"two plugins are named {ep.name!r}: {seen.value!r} ({_provenance(seen)[0]}) "
+                f"and {ep.value!r} ({dist}); uninstall one or block it with PLAIT_DISABLE_PLUGINS"
+            )
+        chosen.setdefault(ep.name, ep)  # the same distribution seen twice on sys.path counts once
+    return list(chosen.values()), disabled
 
 
 def _warn_unknown(by_env: list[str], by_argument: set[str], entry_points) -> None:

@@ -25,7 +25,6 @@ from typing import Any, Mapping
 import attrs
 import yaml
 
-from .cli import Command
 from .config import (PluginsSpec, RunConfig, build_method_config, check_value, config_fields, parse_run_config,
                      yaml_load)
 from . import preflight
@@ -395,41 +394,38 @@ def _training_arguments():
     return TrainingArguments
 
 
-def method_command(name: str, method=None) -> Command:
-    """The ``plait <name>`` subcommand of a registered method (``method``: its record, for --help)."""
+def add_method_arguments(parser: argparse.ArgumentParser, name: str, method=None) -> None:
+    """The flags of ``plait <name>`` (``method``: the method's record, whose fields --help lists)."""
+    parser.add_argument("--config", help="YAML recipe (see examples/recipes/); optional when --model and "
+                                         "--dataset are given")
+    parser.add_argument("--num_processes", type=int, metavar="N",
+                        help="train on N processes (data parallel), relaunching this command")
+    parser.add_argument("--accelerate_config", metavar="NAME|PATH",
+                        help="launch preset (cpu_ddp, multi_gpu, fsdp, zero1, zero2, zero3) or an accelerate config file")
+    parser.add_argument("--check", action="store_true",
+                        help="check the recipe (names, types, ranges, data files) and exit without training")
+    parser.usage = f"plait {name} [--config RECIPE] [--FIELD VALUE ...] [--num_processes N] [--accelerate_config NAME|PATH]"
+    if method is not None:
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
+        parser.epilog = fields_help(name, method)
 
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--config", help="YAML recipe (see examples/recipes/); optional when --model and "
-                                             "--dataset are given")
-        parser.add_argument("--num_processes", type=int, metavar="N",
-                            help="train on N processes (data parallel), relaunching this command")
-        parser.add_argument("--accelerate_config", metavar="NAME|PATH",
-                            help="launch preset (cpu_ddp, multi_gpu, fsdp, zero1, zero2, zero3) or an accelerate config file")
-        parser.add_argument("--check", action="store_true",
-                            help="check the recipe (names, types, ranges, data files) and exit without training")
-        parser.usage = f"plait {name} [--config RECIPE] [--FIELD VALUE ...] [--num_processes N] [--accelerate_config NAME|PATH]"
-        if method is not None:
-            parser.formatter_class = argparse.RawDescriptionHelpFormatter
-            parser.epilog = fields_help(name, method)
 
-    def run_command(args: argparse.Namespace, plugins: Plugins) -> int:
-        record = method or plugins.methods.get(name, family="method").obj
-        overrides = override_values(parse_overrides(args.extra), record.config, f"plait {name}")
-        if args.config is None and not {"model", "dataset"} <= {k.split(".")[0] for k in overrides}:
-            raise PlaitError(f"plait {name}: no --config given; pass --config recipe.yaml, or --model PATH and --dataset FILE")
-        config = load_recipe(args.config, overrides, method=name)
-        # once, here: before a model loads and before N copies start
-        preflight.check_inputs(config, check_recipe(config, plugins))
-        if args.check:
-            print(f"plait: {args.config or 'the command line'} is a valid {name} recipe")
-            return 0
-        from .launch import launch, inside_launched_process
-
-        if (args.num_processes not in (None, 1) or args.accelerate_config) and not inside_launched_process():
-            command = [name, *(["--config", str(Path(args.config).resolve())] if args.config else []), *args.extra]
-            return launch(command, args.num_processes, args.accelerate_config)
-        run(config, plugins)
+def run_method(name: str, method, args: argparse.Namespace, plugins: Plugins) -> int:
+    """``plait <name> [--config ...] [--FIELD VALUE ...]``: check, then train (or relaunch on N processes)."""
+    record = method or plugins.methods.get(name, family="method").obj
+    overrides = override_values(parse_overrides(args.extra), record.config, f"plait {name}")
+    if args.config is None and not {"model", "dataset"} <= {k.split(".")[0] for k in overrides}:
+        raise PlaitError(f"plait {name}: no --config given; pass --config recipe.yaml, or --model PATH and --dataset FILE")
+    config = load_recipe(args.config, overrides, method=name)
+    # once, here: before a model loads and before N copies start
+    preflight.check_inputs(config, check_recipe(config, plugins))
+    if args.check:
+        print(f"plait: {args.config or 'the command line'} is a valid {name} recipe")
         return 0
+    from .launch import launch, inside_launched_process
 
-    return Command(run_command, add_arguments, help=f"train with the {name!r} method from a YAML recipe",
-                   accepts_extra=True)
+    if (args.num_processes not in (None, 1) or args.accelerate_config) and not inside_launched_process():
+        command = [name, *(["--config", str(Path(args.config).resolve())] if args.config else []), *args.extra]
+        return launch(command, args.num_processes, args.accelerate_config)
+    run(config, plugins)
+    return 0

@@ -1,11 +1,14 @@
 """Shared test setup: no model hub, no tokenizer thread pools, no PLAIT_* switches leaking in."""
 
 import os
+import tempfile
 
 # Set before transformers/huggingface_hub are imported by any test module: an accidental hub
 # call must fail fast instead of hanging on a network that is not there.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The registry catalog (plait.catalog) of this test session, not the user's ~/.cache/plait.
+os.environ.setdefault("PLAIT_CACHE_DIR", tempfile.mkdtemp(prefix="plait-test-cache-"))
 
 import pytest  # noqa: E402
 
