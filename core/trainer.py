@@ -76,7 +76,9 @@ class PlaitTrainer(Trainer):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 
         processing_class = load_tokenizer(model, processing_class)
-        model = load_model(model, getattr(args, "model_init_kwargs", None), auto_class=self.auto_model_class)
+        with torch.random.fork_rng(devices=[]):  # weights the folder lacks (a new score head) come from args.seed
+            torch.manual_seed(args.seed)
+            model = load_model(model, getattr(args, "model_init_kwargs", None), auto_class=self.auto_model_class)
         self.peft_config = peft_config
         model = self.before_peft(model, args, **kwargs)
         model = wrap_peft(model, peft_config, args.gradient_checkpointing)

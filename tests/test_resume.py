@@ -27,8 +27,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 import plait
-from plait.plugins.distill import DistillConfig, DistillTrainer
-from plait.plugins.ppo import PPOConfig, PPOTrainer
+from plait.plugins.methods.distill import DistillConfig, DistillTrainer
+from plait.plugins.methods.ppo import PPOConfig, PPOTrainer
 from plait.testing.tiny_model import tiny_model_path
 
 PLAIT = Path(sys.executable).parent / "plait"  # the console script installed beside this python
@@ -192,6 +192,30 @@ def test_ppo_resumes_bit_identically_with_the_value_model_and_the_kl_coefficient
     assert_same_run(straight, resumed, "ppo", ("episode",))
     coefs = history(resumed, "objective/kl_coef")
     assert coefs == history(straight, "objective/kl_coef") and coefs[-1][1] != coefs[0][1]
+
+
+PAIRS = [{"prompt": w, "chosen": " yes, kindly.", "rejected": " no way, never ever."} for w in WORDS]
+UNPAIRED = [{"prompt": w, "completion": c, "label": ok} for w in WORDS
+            for c, ok in ((" yes, kindly.", True), (" no way, never ever.", False))]
+OFFLINE = {  # method -> (extra config fields, training rows)
+    "dpo": ({"beta": 0.1}, PAIRS),
+    "kto": ({"beta": 0.1}, UNPAIRED),
+    "reward_model": ({}, PAIRS),
+}
+
+
+@pytest.mark.parametrize("method", sorted(OFFLINE))
+def test_offline_methods_resume_bit_identically(tmp_path, method):
+    # shuffled data over two epochs with dropout-free tiny models: the cut at step 3 is mid-epoch
+    extra, rows = OFFLINE[method]
+    record = plait.default_plugins().methods.get(method, family="method").obj
+
+    def build(output):
+        args = record.config(output_dir=str(output), **COMMON, per_device_train_batch_size=2, max_length=32, **extra)
+        return record.trainer(str(tiny_model_path()), args=args, train_dataset=Dataset.from_list(rows))
+
+    straight, resumed = straight_and_resumed(tmp_path, build, stop=3)
+    assert_same_run(straight, resumed, method, ())
 
 
 def noisy_teacher():
