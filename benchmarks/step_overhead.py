@@ -79,8 +79,8 @@ def run_variant(method: str, variant: str, vocab: int, seq: int, batch: int, ste
     import torch
     from transformers import TrainerCallback
 
-    from plait.plugins.dpo import DPOConfig, DPOTrainer
-    from plait.plugins.sft import SFTConfig, SFTTrainer
+    from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
+    from plait.plugins.methods.sft import SFTConfig, SFTTrainer
 
     torch.set_num_threads(os.cpu_count() or 1)
     model, tokenizer, rows = build(vocab, seq, batch)

@@ -29,9 +29,9 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from plait.generation import SamplingParams  # noqa: E402
-from plait.plugins.generation_transformers import TransformersBackend  # noqa: E402
-from plait.plugins.generation_vllm_colocate import VLLMColocateBackend, VLLMColocateParams  # noqa: E402
-from plait.plugins.generation_vllm_server import VLLMServerBackend, VLLMServerParams  # noqa: E402
+from plait.plugins.generation.transformers_backend import TransformersBackend  # noqa: E402
+from plait.plugins.generation.vllm_colocate import VLLMColocateBackend, VLLMColocateParams  # noqa: E402
+from plait.plugins.generation.vllm_server import VLLMServerBackend, VLLMServerParams  # noqa: E402
 from plait.testing.tiny_model import tiny_model_path  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent

@@ -14,10 +14,10 @@ from transformers import AutoTokenizer
 
 from plait import PlaitError
 from plait.data import prepare_dataset
-from plait.plugins.dpo import DPOConfig, DPOTrainer
-from plait.plugins.kto import KTOConfig, KTOTrainer
-from plait.plugins.reward_model import RewardConfig, RewardTrainer
-from plait.plugins.sft import SFTConfig, SFTTrainer
+from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
+from plait.plugins.methods.kto import KTOConfig, KTOTrainer
+from plait.plugins.methods.reward_model import RewardConfig, RewardTrainer
+from plait.plugins.methods.sft import SFTConfig, SFTTrainer
 from plait.testing.tiny_model import chat_template, tiny_model_path
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "examples" / "data"

@@ -24,7 +24,7 @@ from plait.cli import main
 from plait.generation import GenerationBackend, Generations
 from plait.logprobs import compare_distributions, token_logprobs
 from plait.losses.distill_jsd import JSDParams, distill_jsd
-from plait.plugins.distill import DistillConfig, DistillTrainer
+from plait.plugins.methods.distill import DistillConfig, DistillTrainer
 from plait.testing import check_loss
 from plait.testing.tiny_model import build_tiny_model, tiny_model_path
 

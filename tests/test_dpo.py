@@ -7,7 +7,7 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
 from plait import PlaitError
-from plait.plugins.dpo import DPOConfig, DPOTrainer
+from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
 from plait.logprobs import token_logprobs
 from plait.testing.tiny_model import tiny_model_path
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from plait import PlaitError, make_plugins
 from plait.batches import Rollout
-from plait.plugins.advantage_gae import GAEParams, gae_advantage
+from plait.plugins.advantages.gae import GAEParams, gae_advantage
 from plait.scoring import resolve_advantage_estimator
 from plait.testing import check_advantage_estimator
 

@@ -10,7 +10,7 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
 from plait import PlaitError
-from plait.plugins.kto import KTOConfig, KTOTrainer, check_class_balance
+from plait.plugins.methods.kto import KTOConfig, KTOTrainer, check_class_balance
 from plait.testing.tiny_model import tiny_model_path
 
 WORDS = ["apple", "river", "stone", "cloud", "music", "garden", "window", "paper", "market", "forest",

@@ -306,7 +306,7 @@ NOT_ON_THE_MARGIN = ["nca_pair", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
 
 def dpo_trainer(tmp_path, **config):
     """A DPOTrainer on a model folder that does not exist: validation must refuse before any load."""
-    from plait.plugins.dpo import DPOConfig, DPOTrainer
+    from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
 
     args = DPOConfig(output_dir=str(tmp_path), report_to="none", **config)
     return DPOTrainer(str(tmp_path / "no-model-here"), args=args)
@@ -346,7 +346,7 @@ class TokenStats:
 
 
 def test_wpo_weights_are_not_capped_by_default_as_in_trl():
-    from plait.plugins.dpo import DPOTrainer
+    from plait.plugins.methods.dpo import DPOTrainer
 
     # one pair of one token each: p(y) = 0.9 on a two-way distribution, Σ p² = 0.82, so each side weighs
     # 0.9 / 0.82 = 1.0976 and the pair 1.2047 > 1; the rejected side p = 0.5 of a uniform pair weighs 1

@@ -19,9 +19,9 @@ import plait
 from plait import make_plugins
 from plait.batches import PolicyTokens, PreferenceLogps, ValueTokens
 from plait.errors import PlaitError
-from plait.plugins.dpo import DPOConfig, DPOTrainer
-from plait.plugins.ppo import PPOConfig, PPOTrainer
-from plait.plugins.sft import SFTConfig, SFTTrainer
+from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
+from plait.plugins.methods.ppo import PPOConfig, PPOTrainer
+from plait.plugins.methods.sft import SFTConfig, SFTTrainer
 from plait.testing.tiny_model import tiny_model_path
 from plait.trainer import NonFiniteLossError
 

@@ -23,8 +23,8 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer  # noqa: E402
 
 from plait import PlaitError  # noqa: E402
-from plait.plugins import dpo as plait_dpo, grpo as plait_grpo, kto as plait_kto  # noqa: E402
-from plait.plugins import reward_model as plait_rm  # noqa: E402
+from plait.plugins.methods import dpo as plait_dpo, grpo as plait_grpo, kto as plait_kto  # noqa: E402
+from plait.plugins.methods import reward_model as plait_rm  # noqa: E402
 from plait.testing.tiny_model import tiny_model_path  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not trl.__version__.startswith("1.16."), reason="parity is pinned to TRL 1.16")

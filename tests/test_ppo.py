@@ -21,7 +21,7 @@ from plait.logprobs import token_logprobs
 from plait.losses.ppo_policy import PPOPolicyParams, ppo_policy
 from plait.losses.ppo_value import PPOValueParams, ppo_value
 from plait.objective import Objective
-from plait.plugins.ppo import AdaptiveKLController, KLController, PPOConfig, PPOTrainer, whiten
+from plait.plugins.methods.ppo import AdaptiveKLController, KLController, PPOConfig, PPOTrainer, whiten
 from plait.testing import check_loss
 from plait.testing.tiny_model import tiny_model_path
 

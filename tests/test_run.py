@@ -21,7 +21,7 @@ from plait.cli import main
 from plait.config import PluginsSpec, method_config
 from plait.errors import PlaitError
 from plait.launch import PRESETS, launch_command, preset_path
-from plait.plugins.dpo import DPOConfig
+from plait.plugins.methods.dpo import DPOConfig
 from plait.run import check_recipe, load_recipe, override_values, parse_overrides
 from plait.testing.tiny_model import tiny_model_path
 from plait.trainer import PlaitTrainer

@@ -7,7 +7,7 @@ from peft import LoraConfig
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from plait.plugins.sft import SFTConfig, SFTTrainer
+from plait.plugins.methods.sft import SFTConfig, SFTTrainer
 from plait.testing.tiny_model import tiny_model_path
 
 FACT = {"prompt": "The secret code is", "completion": " seven blue horses."}

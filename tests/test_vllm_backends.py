@@ -12,10 +12,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from plait import cli
 from plait.errors import PlaitError
 from plait.manager import make_plugins
-from plait.plugins import _vllm
-from plait.plugins.generation_vllm_colocate import VLLMColocateBackend, VLLMColocateParams, vllm_colocate_backend
-from plait.plugins.generation_vllm_server import RETRY_DELAYS, VLLMClient, VLLMServerParams, vllm_server_backend
-from plait.plugins.vllm_serve import check_bind, is_loopback
+from plait.plugins.generation import _vllm
+from plait.plugins.generation.vllm_colocate import VLLMColocateBackend, VLLMColocateParams, vllm_colocate_backend
+from plait.plugins.generation.vllm_server import RETRY_DELAYS, VLLMClient, VLLMServerParams, vllm_server_backend
+from plait.plugins.generation.vllm_serve import check_bind, is_loopback
 from plait.testing.tiny_model import tiny_model_path
 
 

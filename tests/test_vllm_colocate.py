@@ -33,7 +33,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def backend(tiny):
-    from plait.plugins.generation_vllm_colocate import VLLMColocateBackend, VLLMColocateParams
+    from plait.plugins.generation.vllm_colocate import VLLMColocateBackend, VLLMColocateParams
 
     model, tokenizer = tiny
     params = VLLMColocateParams(dtype="float32", max_model_length=256, kv_cache_memory_bytes=64 * 2**20)

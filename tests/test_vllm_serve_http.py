@@ -26,9 +26,9 @@ import pytest
 
 from plait.errors import PlaitError
 from plait.generation import SamplingParams
-from plait.plugins._vllm import WorkerExtension
-from plait.plugins.generation_vllm_server import VLLMClient
-from plait.plugins.vllm_serve import EnginePool, GenerationServer, add_arguments
+from plait.plugins.generation._vllm import WorkerExtension
+from plait.plugins.generation.vllm_server import VLLMClient
+from plait.plugins.generation.vllm_serve import EnginePool, GenerationServer, add_arguments
 
 TOKEN = "s3cret-for-tests"
 LIMIT = 4096  # bytes, the body limit of the servers below unless a test says otherwise

@@ -49,7 +49,7 @@ def server(tmp_path_factory):
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     start = time.perf_counter()
     try:
-        from plait.plugins.generation_vllm_server import VLLMClient
+        from plait.plugins.generation.vllm_server import VLLMClient
 
         client = VLLMClient(port=port, token=TOKEN, group_port=free_port(), connection_timeout=240)
         try:
@@ -74,7 +74,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def backend(server, tiny):
-    from plait.plugins.generation_vllm_server import VLLMServerBackend, VLLMServerParams
+    from plait.plugins.generation.vllm_server import VLLMServerBackend, VLLMServerParams
 
     model, tokenizer = tiny
     params = VLLMServerParams(server_port=server["port"], server_token=TOKEN, group_port=server["client"].group_port)

@@ -32,7 +32,7 @@ import torch
 from plait.errors import PlaitError
 from plait.generation import SamplingParams
 
-WORKER_EXTENSION = "plait.plugins._vllm.WorkerExtension"
+WORKER_EXTENSION = "plait.plugins.generation._vllm.WorkerExtension"
 BUCKET_BYTES = 512 * 2**20  # weights travel in flat buckets of at most this size
 
 

@@ -169,7 +169,7 @@ def engine_process(conn, model: str, options: dict, environment: dict) -> None:
     """One engine: build it, then answer (command, args) messages until told to close."""
     os.environ.update(environment)
     from plait.generation import SamplingParams
-    from plait.plugins._vllm import Engine, on_cpu
+    from plait.plugins.generation._vllm import Engine, on_cpu
 
     try:
         engine = Engine(model, in_process=on_cpu(), who="plait vllm-serve", **options)

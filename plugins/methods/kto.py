@@ -25,7 +25,7 @@ from plait.data import prepare_dataset
 from plait.models import Reference, cached_tensors
 from plait.objective import Objective, normalise_loss_specs
 from plait.params import positive
-from plait.plugins._collate import check_multiple, pad_token_id, padded_batch, sequences
+from plait.plugins.data._collate import check_multiple, pad_token_id, padded_batch, sequences
 from plait.trainer import PlaitTrainer
 
 logger = logging.getLogger("plait")

@@ -23,7 +23,7 @@ from plait.config import method_config
 from plait.data import prepare_dataset
 from plait.objective import Objective, normalise_loss_specs
 from plait.params import non_negative, positive
-from plait.plugins._collate import pad_token_id
+from plait.plugins.data._collate import pad_token_id
 from plait.trainer import PlaitTrainer
 
 logger = logging.getLogger("plait")

@@ -2,7 +2,7 @@
 
 from plait import hookimpl
 
-from ._collate import check_multiple, pad_token_id, padded_batch
+from .._collate import check_multiple, pad_token_id, padded_batch
 
 
 def language_modeling_collator(processing_class, *, pad_to_multiple_of=None):

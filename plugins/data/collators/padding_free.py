@@ -10,7 +10,7 @@ import torch
 
 from plait import hookimpl
 
-from ._collate import check_multiple, pad_token_id, padded_length
+from .._collate import check_multiple, pad_token_id, padded_length
 
 
 def padding_free_collator(processing_class, *, pad_to_multiple_of=None):

@@ -8,7 +8,7 @@ import torch
 
 from plait import hookimpl
 
-from ._collate import check_multiple, pad_token_id, padded_batch, sequences
+from .._collate import check_multiple, pad_token_id, padded_batch, sequences
 
 PASSTHROUGH = ("ref_chosen_logps", "ref_rejected_logps", "margin")
 

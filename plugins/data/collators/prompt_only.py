@@ -2,7 +2,7 @@
 
 from plait import hookimpl
 
-from ._collate import check_multiple, pad, pad_token_id
+from .._collate import check_multiple, pad, pad_token_id
 
 TENSOR_KEYS = ("prompt_ids",)
 

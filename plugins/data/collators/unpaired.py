@@ -9,7 +9,7 @@ import torch
 
 from plait import hookimpl
 
-from ._collate import check_multiple, pad_token_id, padded_batch, sequences
+from .._collate import check_multiple, pad_token_id, padded_batch, sequences
 
 
 def unpaired_collator(processing_class, *, pad_to_multiple_of=None):

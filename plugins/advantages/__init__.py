@@ -1,0 +1,1 @@
+"""Advantage estimators (``register_advantage_estimators``): one module per estimator."""

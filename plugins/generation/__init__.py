@@ -1,0 +1,1 @@
+"""Generation backends (``register_generation_backends``) for online methods, and ``plait vllm-serve``."""

@@ -1,0 +1,1 @@
+"""Training methods (``register_methods``): one module per method, its config and its trainer."""

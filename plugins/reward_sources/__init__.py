@@ -1,0 +1,1 @@
+"""Reward sources (``resolve_reward``): what a ``reward_funcs`` entry may be besides a registered name."""
