@@ -1,5 +1,6 @@
-"""Meta-tests of the layout: every plugin module has an entry point, core/ imports no plugin
-folder, and every hook is documented in hookspecs.py and in the README's architecture section."""
+"""Meta-tests of the layout: built-in plugins live in one folder per kind and register only that
+kind, every plugin module has an entry point, core/ imports no plugin folder, and every hook is
+documented in hookspecs.py and in the README's architecture section."""
 
 import ast
 import importlib
@@ -21,18 +22,42 @@ FOLDERS = {"plugins": "plait.plugins", "losses": "plait.losses", "rewards": "pla
 FORBIDDEN = tuple(FOLDERS.values())
 REINSTALL = f"cd {ROOT} && {Path(sys.executable).parent}/pip install -q -e . --no-deps"
 
+# Each folder of plugin modules and the kind-owning hooks (registration and dispatch) its modules
+# may implement; lifecycle hooks (broadcast, e.g. trainer_callbacks) are open to every module.
+# A new kind (judges, environments, callbacks) gets its own folder here.
+KIND_FOLDERS = {
+    "plugins/methods": {"register_methods"},
+    "plugins/data/formats": {"register_data_formats", "detect_data_format"},
+    "plugins/data/collators": {"register_collators"},
+    "plugins/data/packing": {"register_packing_strategies"},
+    "plugins/advantages": {"register_advantage_estimators"},
+    "plugins/generation": {"register_generation_backends", "register_commands"},  # backends, `plait vllm-serve`
+    "plugins/reward_sources": {"resolve_reward"},
+    "losses": {"register_losses"},
+    "rewards": {"register_rewards"},
+}
+LIFECYCLE = {name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
+             if hasattr(fn, "plait_spec") and not name.startswith("register_") and not fn.plait_spec["firstresult"]}
+
 
 def installed_entry_points():
     return sorted(importlib.metadata.distribution("plait").entry_points.select(group="plait"), key=lambda ep: ep.name)
 
 
+def module_name(path: Path) -> str:
+    """``plugins/data/formats/sharegpt.py`` -> ``plait.plugins.data.formats.sharegpt``."""
+    top, *rest = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join((FOLDERS[top], *rest))
+
+
+def plugin_files() -> list[Path]:
+    """Every plugin module: the public .py files of the kind folders (private helpers start with _)."""
+    return sorted(path for folder in KIND_FOLDERS for path in (ROOT / folder).glob("*.py")
+                  if not path.name.startswith("_"))
+
+
 def plugin_modules() -> list[str]:
-    return sorted(
-        f"{package}.{path.stem}"
-        for folder, package in FOLDERS.items()
-        for path in (ROOT / folder).glob("*.py")
-        if not path.name.startswith("_")
-    )
+    return [module_name(path) for path in plugin_files()]
 
 
 def test_the_installed_plait_is_this_checkout():
@@ -54,10 +79,35 @@ def test_installed_entry_points_match_pyproject():
     assert installed == declared, f"the installed metadata is stale; reinstall: {REINSTALL}"
 
 
-def test_plugin_folders_are_flat():
-    nested = [str(p.relative_to(ROOT)) for folder in FOLDERS for p in (ROOT / folder).iterdir()
-              if p.is_dir() and p.name != "__pycache__"]
-    assert not nested, f"plugin folders must be flat (one module per plugin); move these into core/ or flatten: {nested}"
+def test_every_plugin_file_is_in_a_kind_folder():
+    # a module outside the table (plugins/foo.py, plugins/judges/x.py) would be no kind's and untested
+    strays = sorted(str(path.relative_to(ROOT)) for folder in FOLDERS for path in (ROOT / folder).rglob("*.py")
+                    if "__pycache__" not in path.parts and not path.name.startswith("_")  # helpers may be shared
+                    and str(path.parent.relative_to(ROOT)) not in KIND_FOLDERS)
+    assert not strays, (f"plugin modules outside a kind folder: {strays}; move each into the folder of its kind "
+                        f"({', '.join(KIND_FOLDERS)}) or add a folder for a new kind to KIND_FOLDERS in {__file__}")
+
+
+def test_every_plugin_package_is_packaged():
+    # a folder setuptools does not list would be missing from a built wheel, though the editable install works
+    packaged = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {module_name(init.parent / "x.py").rpartition(".")[0]
+                for folder in FOLDERS for init in (ROOT / folder).rglob("__init__.py")}
+    missing = sorted(packages - packaged)
+    assert not missing, f"packages absent from [tool.setuptools] packages in pyproject.toml: {missing}"
+
+
+@pytest.mark.parametrize("path", plugin_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_plugin_module_registers_only_its_folders_kind(path):
+    pm = pluggy.PluginManager("plait")
+    pm.add_hookspecs(hookspecs)
+    pm.register(importlib.import_module(module_name(path)))
+    hooks = {caller.name for caller in pm.get_hookcallers(pm.get_plugins().pop())} - LIFECYCLE
+    folder = str(path.parent.relative_to(ROOT))
+    allowed = KIND_FOLDERS[folder]
+    assert hooks and hooks <= allowed, (
+        f"{path.relative_to(ROOT)} implements {sorted(hooks) or 'no kind hook'}; modules in {folder}/ implement "
+        f"{sorted(allowed)}: move it to the folder of the kind it registers")
 
 
 @pytest.mark.parametrize("ep", installed_entry_points(), ids=lambda ep: ep.name)
