@@ -167,11 +167,11 @@ def test_console_script_reports_a_bad_switch_as_a_plait_error():
     assert result.stderr == "plait: error: plugins.on_import_error='maybe' is not valid; use 'fail' or 'skip'\n"
 
 
-def test_list_methods_shows_each_methods_own_summary(capsys):
-    plugins = plait.make_plugins()
-    assert main(["list", "methods", "--json"], plugins=plugins) == 0
-    listed = {entry["name"]: entry["summary"] for entry in json.loads(capsys.readouterr().out)}
-    assert listed == {c.name: c.obj.summary for c in plugins.methods}
+def test_list_methods_shows_each_methods_own_summary():
+    result = run_plait("list", "methods", "--json")
+    assert result.returncode == 0, result.stderr
+    listed = {entry["name"]: entry["summary"] for entry in json.loads(result.stdout)}
+    assert listed == {c.name: c.obj.summary for c in plait.make_plugins().methods}
     assert len(set(listed.values())) == len(listed) and "" not in listed.values()  # one line each, none shared
 
 
