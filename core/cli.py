@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 from typing import Any, Callable, Sequence
@@ -174,6 +175,9 @@ def main(argv: Sequence[str] | None = None, *, plugins: Plugins | None = None) -
     except PlaitError as err:
         print(f"plait: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `plait list losses | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush does not fail again
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

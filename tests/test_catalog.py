@@ -112,3 +112,9 @@ def test_an_edited_or_disabled_plugin_is_never_listed_as_it_was(cache_dir, tmp_p
     assert "probe.second_version" in listed and "probe.first" not in listed
     hidden = plait("list", "losses", cache_dir=cache_dir, pythonpath=site, extra_env={"PLAIT_DISABLE_PLUGINS": "probe"})
     assert "probe." not in hidden and "dpo.sigmoid" in hidden
+
+
+def test_a_listing_piped_into_a_reader_that_left_ends_quietly(cache_dir):
+    env = {**os.environ, "PLAIT_CACHE_DIR": str(cache_dir)}
+    done = subprocess.run(f"'{PLAIT}' list losses | true", shell=True, env=env, capture_output=True, text=True)
+    assert done.stderr == ""  # no BrokenPipeError traceback
