@@ -9,7 +9,7 @@ Everything is resolved and validated when the objective is built, before any mod
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import attrs
 import torch
@@ -125,6 +125,36 @@ def normalise_loss_specs(loss: Any, loss_weights: Sequence[float] | None = None,
             spec.setdefault("weight", loss_weights[i])
         specs.append(spec)
     return specs
+
+
+@attrs.define
+class LossChoice:
+    """The loss fields every method's params share (inherit them): TRL's ``loss_type`` (a name or a
+    list, with ``loss_weights`` for several) or plait's ``loss`` (``[{name, weight, **params}]``),
+    not both; neither means the method's ``default_loss``. Malformed lists fail when the params are
+    built; names are resolved against the registry when the trainer builds its objective.
+    """
+
+    default_loss: ClassVar[str]
+    loss_type: str | list | None = None
+    loss_weights: list | None = None
+    loss: str | list | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.loss is not None and self.loss_type is not None:
+            raise PlaitError("give either loss (plait's list of {name, weight, ...}) or loss_type (TRL's names), "
+                             "not both")
+        self.loss_specs()
+
+    @property
+    def loss_field(self) -> str:
+        """The field the losses came from, for error messages."""
+        return "loss" if self.loss is not None else "loss_type"
+
+    def loss_specs(self) -> list[dict]:
+        if self.loss is not None:
+            return normalise_loss_specs(self.loss, field="loss")
+        return normalise_loss_specs(self.loss_type or self.default_loss, self.loss_weights, field="loss_type")
 
 
 class Objective:

@@ -38,6 +38,7 @@ from .generation import Generations, SamplingParams
 from .importance_sampling import importance_sampling_metrics, importance_weights
 from .logprobs import token_logprobs
 from .models import Reference
+from .objective import LossChoice
 from .params import in_range, int_at_least, non_negative, one_of, positive
 from .scoring import UnscoredBatches, compute_rewards, resolve_reward_funcs, reward_metrics, reward_weights
 from .trainer import PlaitTrainer
@@ -53,8 +54,10 @@ def _optional(validator):
 
 
 @attrs.define
-class OnlineParams:
-    """Knobs every online method shares; names and defaults follow TRL's GRPOConfig."""
+class OnlineParams(LossChoice):
+    """Knobs every online method shares, its losses included; names and defaults follow TRL's GRPOConfig.
+
+    Subclasses name their ``default_loss``."""
 
     reward_funcs: Any = None
     reward_weights: list | None = None

@@ -22,6 +22,7 @@ from plait import PlaitError
 from plait.chat import is_conversational
 from plait.data import prepare_dataset
 from plait.generation import Generations, SamplingParams
+from plait.objective import LossChoice
 from plait.online import GroupSampler, RolloutBuffer, format_table, prompt_text
 from plait.params import in_range, positive
 from plait.trainer import PlaitTrainer
@@ -40,10 +41,11 @@ def _int_at_least(low: int):
 
 
 @attrs.define
-class OnPolicyParams:
-    """Sampling and data knobs every on-policy method shares; names follow TRL's configs.
+class OnPolicyParams(LossChoice):
+    """Sampling and data knobs every on-policy method shares, and its losses; names follow TRL's configs.
 
-    Subclasses add ``temperature`` and the completion length under their own default.
+    Subclasses add ``temperature`` and the completion length under their own default, and name
+    their ``default_loss``.
     """
 
     max_prompt_length: int | None = attrs.field(default=None, validator=_optional(_int_at_least(1)))

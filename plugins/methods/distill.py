@@ -25,7 +25,7 @@ from plait.batches import TokenDistributions, masked_mean
 from plait.config import method_config
 from plait.logprobs import compare_distributions
 from plait.models import load_model
-from plait.objective import Objective, normalise_loss_specs
+from plait.objective import Objective
 from plait.params import in_range, positive
 
 from ._onpolicy import OnPolicyParams, OnPolicyTrainer, disable_dropout, pack
@@ -46,18 +46,12 @@ class DistillParams(OnPolicyParams):
     into every loss that takes it).
     """
 
+    default_loss = "jsd"
     teacher_model_name_or_path: str | None = None
     teacher_model_init_kwargs: dict | None = None
     beta: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0))
     temperature: float = attrs.field(default=1.0, validator=positive)
     max_completion_length: int = attrs.field(default=512, validator=_positive_int)
-    loss: list | None = None
-
-    def __attrs_post_init__(self) -> None:
-        self.loss_specs()  # malformed loss lists fail now; names are resolved by the trainer
-
-    def loss_specs(self) -> list[dict]:
-        return normalise_loss_specs(self.loss if self.loss is not None else "jsd", field="loss")
 
 
 DistillConfig = method_config(

@@ -21,7 +21,7 @@ from plait.config import method_config
 from plait.data import prepare_dataset
 from plait.divergences import f_divergence
 from plait.models import Reference, cached_tensors
-from plait.objective import Objective, normalise_loss_specs
+from plait.objective import LossChoice, Objective
 from plait.params import in_range, positive
 from plait.trainer import PlaitTrainer
 
@@ -32,14 +32,12 @@ def _optional(validator):
 
 
 @attrs.define
-class DPOParams:
+class DPOParams(LossChoice):
     """DPO's own knobs; names follow TRL's DPOConfig."""
 
+    default_loss = "sigmoid"
     beta: float = attrs.field(default=0.1, validator=positive)
     label_smoothing: float = attrs.field(default=0.0, validator=in_range(0.0, 0.5))
-    loss_type: str | list | None = None
-    loss_weights: list | None = None
-    loss: list | None = None
     f_divergence_type: str = "reverse_kl"
     f_alpha_divergence_coef: float = attrs.field(default=0.5, validator=positive)
     max_length: int | None = 1024
@@ -59,19 +57,11 @@ class DPOParams:
     dataset_num_proc: int | None = None
 
     def __attrs_post_init__(self) -> None:
-        if self.loss is not None and self.loss_type is not None:
-            raise PlaitError("DPOConfig: give either loss (plait's list of {name, weight, ...}) or loss_type "
-                             "(TRL's names), not both")
+        super().__attrs_post_init__()
         if self.precompute_ref_log_probs and self.sync_ref_model:
             raise PlaitError("DPOConfig: precompute_ref_log_probs=True cannot be combined with sync_ref_model=True "
                              "(the cached reference would go stale); turn one off")
         f_divergence(self.f_divergence_type, self.f_alpha_divergence_coef)  # unknown names fail now
-        self.loss_specs()  # malformed loss lists fail now; names are resolved by the trainer
-
-    def loss_specs(self) -> list[dict]:
-        if self.loss is not None:
-            return normalise_loss_specs(self.loss, field="loss")
-        return normalise_loss_specs(self.loss_type or "sigmoid", self.loss_weights, field="loss_type")
 
 
 DPOConfig = method_config(

@@ -15,7 +15,7 @@ import torch
 from plait import Method, PlaitError, hookimpl
 from plait.batches import PolicyTokens
 from plait.config import method_config
-from plait.objective import Objective, normalise_loss_specs
+from plait.objective import Objective
 from plait.online import OnlineParams, OnlineTrainer
 from plait.params import non_negative, positive
 from plait.scoring import resolve_advantage_estimator
@@ -47,9 +47,7 @@ class GRPOParams(OnlineParams):
     in TRL 1.16). ``use_bias_correction_kl`` weights the β·KL term by the importance ratio (TRL 1.16's default).
     """
 
-    loss_type: str | list | None = None
-    loss_weights: list | None = None
-    loss: list | None = None
+    default_loss = "dapo"
     scale_rewards: str | bool = "group"
     multi_objective_aggregation: str = "sum_then_normalize"
     advantage_estimator: str | dict | None = None
@@ -63,9 +61,7 @@ class GRPOParams(OnlineParams):
     vespo_lambda_neg: float = attrs.field(default=2.0, validator=positive)
 
     def __attrs_post_init__(self) -> None:
-        if self.loss is not None and self.loss_type is not None:
-            raise PlaitError("GRPOConfig: give either loss (plait's list of {name, weight, ...}) or loss_type "
-                             "(TRL's names), not both")
+        super().__attrs_post_init__()
         if self.scale_rewards not in SCALE_REWARDS:
             raise PlaitError(f"GRPOConfig: scale_rewards={self.scale_rewards!r} is not valid; use 'group' (or True), "
                              "'batch', or 'none' (or False)")
@@ -75,11 +71,6 @@ class GRPOParams(OnlineParams):
         if self.advantage_estimator is not None and self.multi_objective_aggregation != "sum_then_normalize":
             raise PlaitError("GRPOConfig: advantage_estimator names the estimator itself; drop "
                              "multi_objective_aggregation or advantage_estimator")
-
-    def loss_specs(self) -> list[dict]:
-        if self.loss is not None:
-            return normalise_loss_specs(self.loss, field="loss")
-        return normalise_loss_specs(self.loss_type or "dapo", self.loss_weights, field="loss_type")
 
     def advantage_spec(self) -> str | dict:
         if self.advantage_estimator is not None:
@@ -106,7 +97,7 @@ class GRPOTrainer(OnlineTrainer):
         self.estimator = resolve_advantage_estimator(p.advantage_spec(), self.plugins, field="advantage_estimator")
         shared = {name: getattr(p, name) for name in SHARED_LOSS_FIELDS if getattr(p, name) is not None}
         return Objective.build(p.loss_specs(), self.plugins.losses, family="grpo", consumes=PolicyTokens,
-                               shared=shared, field="loss" if p.loss is not None else "loss_type")
+                               shared=shared, field=p.loss_field)
 
     def advantages(self, rewards, *, batch, old_logps, ref_logps) -> torch.Tensor:
         return self.estimator(self.gather_rollout(rewards))

@@ -18,12 +18,12 @@ import attrs
 import torch
 from tqdm.auto import tqdm
 
-from plait import Method, PlaitError, hookimpl
+from plait import Method, hookimpl
 from plait.batches import UnpairedLogps
 from plait.config import method_config
 from plait.data import prepare_dataset
 from plait.models import Reference, cached_tensors
-from plait.objective import Objective, normalise_loss_specs
+from plait.objective import LossChoice, Objective
 from plait.params import positive
 from plait.plugins.data._collate import check_multiple, pad_token_id, padded_batch, sequences
 from plait.trainer import PlaitTrainer
@@ -32,15 +32,13 @@ logger = logging.getLogger("plait")
 
 
 @attrs.define
-class KTOParams:
+class KTOParams(LossChoice):
     """KTO's own knobs; names follow TRL's KTOConfig."""
 
+    default_loss = "kto"
     beta: float = attrs.field(default=0.1, validator=positive)
     desirable_weight: float = attrs.field(default=1.0, validator=positive)
     undesirable_weight: float = attrs.field(default=1.0, validator=positive)
-    loss_type: str | list | None = None
-    loss_weights: list | None = None
-    loss: list | None = None
     max_length: int | None = attrs.field(default=1024, validator=attrs.validators.optional(positive))
     truncation_mode: str = "keep_end"
     pad_to_multiple_of: int | None = None
@@ -49,17 +47,6 @@ class KTOParams:
     model_init_kwargs: dict | None = None
     ref_model_init_kwargs: dict | None = None
     dataset_num_proc: int | None = None
-
-    def __attrs_post_init__(self) -> None:
-        if self.loss is not None and self.loss_type is not None:
-            raise PlaitError("KTOConfig: give either loss (plait's list of {name, weight, ...}) or loss_type "
-                             "(TRL's names), not both")
-        self.loss_specs()  # malformed loss lists fail now; names are resolved by the trainer
-
-    def loss_specs(self) -> list[dict]:
-        if self.loss is not None:
-            return normalise_loss_specs(self.loss, field="loss")
-        return normalise_loss_specs(self.loss_type or "kto", self.loss_weights, field="loss_type")
 
 
 KTOConfig = method_config(

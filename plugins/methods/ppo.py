@@ -68,6 +68,7 @@ class PPOParams(OnPolicyParams):
     adaptive KL controller (Ziegler et al. 2019) with horizon ``kl_horizon``.
     """
 
+    default_loss = "policy"
     reward_funcs: Any = None
     reward_model_path: str | None = None
     reward_weights: list | None = None
@@ -92,14 +93,11 @@ class PPOParams(OnPolicyParams):
     missing_eos_penalty: float | None = attrs.field(default=None, validator=_optional(non_negative))
     local_rollout_forward_batch_size: int = attrs.field(default=64, validator=int_at_least(1))
     advantage_estimator: str | dict | None = None
-    loss: list | None = None
     value_loss: list | None = None
 
     def __attrs_post_init__(self) -> None:
-        self.policy_loss_specs(), self.value_loss_specs()  # malformed lists fail now
-
-    def policy_loss_specs(self) -> list[dict]:
-        return normalise_loss_specs(self.loss if self.loss is not None else "policy", field="loss")
+        super().__attrs_post_init__()
+        self.value_loss_specs()  # malformed lists fail now
 
     def value_loss_specs(self) -> list[dict]:
         return normalise_loss_specs(self.value_loss if self.value_loss is not None else "value", field="value_loss")
@@ -268,7 +266,7 @@ class PPOTrainer(OnPolicyTrainer):
     def validate(self, args) -> None:
         super().validate(args)
         p = args.params
-        self.policy_objective = Objective.build(p.policy_loss_specs(), self.plugins.losses, family="ppo",
+        self.policy_objective = Objective.build(p.loss_specs(), self.plugins.losses, family="ppo",
                                                 consumes=PolicyTokens, shared={"cliprange": p.cliprange})
         self.value_objective = Objective.build(p.value_loss_specs(), self.plugins.losses, family="ppo",
                                                consumes=ValueTokens, shared={"cliprange_value": p.cliprange_value},

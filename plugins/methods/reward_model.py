@@ -21,7 +21,7 @@ from plait import Method, PlaitError, hookimpl
 from plait.batches import PairwiseRewards
 from plait.config import method_config
 from plait.data import prepare_dataset
-from plait.objective import Objective, normalise_loss_specs
+from plait.objective import LossChoice, Objective
 from plait.params import non_negative, positive
 from plait.plugins.data._collate import pad_token_id
 from plait.trainer import PlaitTrainer
@@ -30,26 +30,16 @@ logger = logging.getLogger("plait")
 
 
 @attrs.define
-class RewardParams:
+class RewardParams(LossChoice):
     """The reward model's own knobs; names follow TRL's RewardConfig."""
 
+    default_loss = "bradley_terry"
     center_rewards_coefficient: float | None = attrs.field(default=None, validator=attrs.validators.optional(non_negative))
-    loss_type: str | list = "bradley_terry"
-    loss_weights: list | None = None
-    loss: list | None = None
     max_length: int | None = attrs.field(default=1024, validator=attrs.validators.optional(positive))
     truncation_mode: str = "keep_end"
     pad_to_multiple_of: int | None = None
     model_init_kwargs: dict | None = None
     dataset_num_proc: int | None = None
-
-    def __attrs_post_init__(self) -> None:
-        self.loss_specs()  # malformed loss lists fail now; names are resolved by the trainer
-
-    def loss_specs(self) -> list[dict]:
-        if self.loss is not None:
-            return normalise_loss_specs(self.loss, field="loss")
-        return normalise_loss_specs(self.loss_type, self.loss_weights, field="loss_type")
 
 
 RewardConfig = method_config(

@@ -18,7 +18,7 @@ import torch
 from plait import Method, PlaitError, hookimpl
 from plait.batches import PolicyTokens, Rollout
 from plait.config import method_config
-from plait.objective import Objective, normalise_loss_specs
+from plait.objective import Objective
 from plait.online import OnlineParams, OnlineTrainer
 from plait.params import non_negative
 from plait.scoring import resolve_advantage_estimator, total_reward
@@ -38,11 +38,11 @@ def _clip_range(instance, attribute, value) -> None:
 class RLOOParams(OnlineParams):
     """RLOO's knobs (plus the shared online ones); names and defaults follow TRL's RLOOConfig."""
 
+    default_loss = "rloo.clip"
     num_generations: int = attrs.field(default=2, validator=OnlineParams.__attrs_attrs__.num_generations.validator)
     beta: float = attrs.field(default=0.05, validator=non_negative)
     normalize_advantages: bool = False
     reward_clip_range: list | tuple | None = attrs.field(default=None, validator=_clip_range)
-    loss: str | list = "rloo.clip"
 
 
 RLOOConfig = method_config(
@@ -62,7 +62,7 @@ class RLOOTrainer(OnlineTrainer):
         self.estimator = resolve_advantage_estimator({"name": "advantage.rloo", "normalize": p.normalize_advantages},
                                                      self.plugins)
         shared = {name: getattr(p, name) for name in SHARED_LOSS_FIELDS if getattr(p, name) is not None}
-        return Objective.build(normalise_loss_specs(p.loss, field="loss"), self.plugins.losses, family="rloo",
+        return Objective.build(p.loss_specs(), self.plugins.losses, family="rloo",
                                consumes=PolicyTokens, shared=shared)
 
     def needs_old_logps(self) -> bool:

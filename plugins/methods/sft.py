@@ -16,15 +16,16 @@ from plait import Method, hookimpl
 from plait.batches import TokenLogps
 from plait.config import method_config
 from plait.data import pack_dataset, prepare_dataset
-from plait.objective import Objective, normalise_loss_specs
+from plait.objective import LossChoice, Objective
 from plait.params import positive
 from plait.trainer import PlaitTrainer
 
 
 @attrs.define
-class SFTParams:
+class SFTParams(LossChoice):
     """SFT's own knobs; names follow TRL's SFTConfig."""
 
+    default_loss = "nll"
     max_length: int | None = attrs.field(default=1024, validator=attrs.validators.optional(positive))
     truncation_mode: str = "keep_start"
     packing: bool = False
@@ -33,19 +34,8 @@ class SFTParams:
     pad_to_multiple_of: int | None = None
     completion_only_loss: bool | None = None
     assistant_only_loss: bool = False
-    loss_type: str | list = "nll"
-    loss_weights: list | None = None
-    loss: list | None = None
     model_init_kwargs: dict | None = None
     dataset_num_proc: int | None = None
-
-    def __attrs_post_init__(self) -> None:
-        self.loss_specs()  # malformed loss lists fail now; names are resolved by the trainer
-
-    def loss_specs(self) -> list[dict]:
-        if self.loss is not None:
-            return normalise_loss_specs(self.loss, field="loss")
-        return normalise_loss_specs(self.loss_type, self.loss_weights, field="loss_type")
 
 
 SFTConfig = method_config(
