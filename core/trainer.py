@@ -20,6 +20,7 @@ from collections import defaultdict
 from typing import Any, ClassVar
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
@@ -51,6 +52,7 @@ class PlaitTrainer(Trainer):
     # (a device tensor, so no sync per micro-batch; None before the step's first), steps skipped
     _nonfinite_loss: torch.Tensor | None = None
     nonfinite_steps_skipped: int = 0
+    _wrapper: torch.nn.Module | None = None  # what trained_module() put around the policy, if anything
 
     def __init__(
         self,
@@ -99,6 +101,11 @@ class PlaitTrainer(Trainer):
             eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
             optimizers=optimizers,
         )
+        for module in self.auxiliary_modules().values():
+            module.to(args.device)
+        trained = self.trained_module(self._policy)
+        if trained is not self._policy:
+            self.model = self.model_wrapped = self._wrapper = trained
         self.after_init()
 
     # -- what a method fills in ---------------------------------------------------------------
@@ -122,6 +129,18 @@ class PlaitTrainer(Trainer):
         checkpoint in output_dir; transformers alone would take the newest folder, finished or not."""
         resume_from_checkpoint = preflight.resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def auxiliary_modules(self) -> dict[str, torch.nn.Module]:
+        """Modules trained beside the policy (a value model, extra heads), by the checkpoint
+        subfolder each is saved in: moved to the device, saved (``save_pretrained``) with every
+        checkpoint and the final model, and restored on resume. None by default."""
+        return {}
+
+    def trained_module(self, policy: torch.nn.Module) -> torch.nn.Module:
+        """The one module the optimizer trains and DDP wraps: the policy, or a wrapper holding it
+        and the auxiliary modules (their parameters are trained only if it holds them). The
+        policy alone is what is saved as the model."""
+        return policy
 
     def after_init(self) -> None:
         """Runs once the accelerator exists (prepare auxiliary models here)."""
@@ -319,6 +338,36 @@ class PlaitTrainer(Trainer):
                                "run resumes with fresh rollouts and counters and will not match an uninterrupted run")
             return
         self.load_resume_state(torch.load(path, weights_only=True))
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        output_dir = output_dir or self.args.output_dir
+        if self._wrapper is None:
+            super()._save(output_dir, state_dict)
+        else:  # the policy is saved as the model; the wrapper's state_dict is not the policy's
+            trained, self.model = self.model, self._policy
+            try:
+                super()._save(output_dir)
+            finally:
+                self.model = trained
+        if self.args.should_save:
+            for folder, module in self.auxiliary_modules().items():
+                module.save_pretrained(os.path.join(output_dir, folder))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if self._wrapper is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        else:
+            trained, self.model = self.model, self._policy  # the Trainer loads (and inspects) the policy
+            try:
+                super()._load_from_checkpoint(resume_from_checkpoint, model=self._policy)
+            finally:
+                self.model = trained
+        for folder, module in self.auxiliary_modules().items():
+            path = os.path.join(resume_from_checkpoint, folder, "model.safetensors")
+            if not os.path.isfile(path):
+                raise PlaitError(f"checkpoint {resume_from_checkpoint!r} has no {folder}/; it was not written by "
+                                 f"{type(self).__name__}")
+            module.load_state_dict(load_file(path))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         self._refuse_nonfinite_weights(output_dir or self.args.output_dir)  # final save and checkpoints alike

@@ -33,7 +33,6 @@ from typing import Any
 import attrs
 import torch
 from accelerate.utils import extract_model_from_parallel
-from safetensors.torch import load_file
 from torch import Tensor, nn
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -345,10 +344,14 @@ class PPOTrainer(OnPolicyTrainer):
                              "value_model_path, or load the policy from a folder so one can be initialised from it")
         return source
 
+    def auxiliary_modules(self) -> dict[str, nn.Module]:
+        return {VALUE_FOLDER: self.value_model}
+
+    def trained_module(self, policy: nn.Module) -> nn.Module:
+        return PolicyAndValue(policy, self.value_model)
+
     def after_init(self) -> None:
         super().after_init()
-        self.value_model.to(self.args.device)
-        self.model = self.model_wrapped = PolicyAndValue(self._policy, self.value_model)
         if self.reference.model is not None:
             self.reference.model = self.accelerator.prepare_model(self.reference.model, evaluation_mode=True)
         self.kl_controller = self._kl_controller()
@@ -494,7 +497,7 @@ class PPOTrainer(OnPolicyTrainer):
         self.record({k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()})
         return (loss, None) if return_outputs else loss
 
-    # -- checkpoints: the policy as usual, the value model beside it ---------------------------
+    # -- run state beyond the weights (the value model is saved as an auxiliary module) ---------
     def resume_state(self) -> dict:
         # The KL coefficient an adaptive controller has reached is run state, like the episode count.
         return {**super().resume_state(), "episode": getattr(self, "_episodes", 0),
@@ -506,28 +509,6 @@ class PPOTrainer(OnPolicyTrainer):
         # restore_callback_states_from_checkpoint may have replaced the controller: use the attached one
         self.kl_controller = self._kl_controller()
         self.kl_controller.kl_coef = state["kl_coef"]
-
-    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        output_dir = output_dir or self.args.output_dir
-        wrapper, self.model = self.model, self._policy
-        try:
-            super()._save(output_dir)
-        finally:
-            self.model = wrapper
-        if self.args.should_save:
-            self.value_model.save_pretrained(os.path.join(output_dir, VALUE_FOLDER))
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        wrapper, self.model = self.model, self._policy  # the Trainer inspects self.model after loading
-        try:
-            super()._load_from_checkpoint(resume_from_checkpoint, model=self._policy)
-        finally:
-            self.model = wrapper
-        path = os.path.join(resume_from_checkpoint, VALUE_FOLDER, "model.safetensors")
-        if not os.path.isfile(path):
-            raise PlaitError(f"checkpoint {resume_from_checkpoint!r} has no {VALUE_FOLDER}/; it was not written by the "
-                             "PPO trainer")
-        self.value_model.load_state_dict(load_file(path))
 
 
 @hookimpl
