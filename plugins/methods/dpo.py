@@ -12,7 +12,6 @@ import logging
 
 import attrs
 import torch
-from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
 from plait import Method, PlaitError, hookimpl
@@ -20,10 +19,10 @@ from plait.batches import PreferenceLogps, masked_mean
 from plait.config import method_config
 from plait.data import prepare_dataset
 from plait.divergences import f_divergence
-from plait.models import Reference, cached_tensors
 from plait.objective import LossChoice, Objective
 from plait.params import in_range, positive
-from plait.trainer import PlaitTrainer
+
+from ._reference import ReferenceTrainer
 
 logger = logging.getLogger("plait")
 
@@ -70,14 +69,11 @@ DPOConfig = method_config(
 )
 
 
-class DPOTrainer(PlaitTrainer):
+class DPOTrainer(ReferenceTrainer):
     """Preference optimisation against a reference, with losses composed by name."""
 
     method = "dpo"
     config_class = DPOConfig
-
-    def __init__(self, model, ref_model=None, args=None, **kwargs):
-        super().__init__(model, args=args, ref_model=ref_model, **kwargs)
 
     def validate(self, args) -> None:
         p = args.params
@@ -109,15 +105,10 @@ class DPOTrainer(PlaitTrainer):
                            p.label_smoothing, [t.name for t in terms])
 
     def before_peft(self, model, args, ref_model=None):
-        p = args.params
-        if self.peft_config is not None and ref_model is None:
-            if p.sync_ref_model:
-                raise PlaitError("sync_ref_model=True needs a separate reference, but with peft_config the reference "
-                                 "is the policy with adapters off; pass ref_model or disable sync_ref_model")
-            self.reference = Reference.adapters_disabled()
-        else:
-            self.reference = Reference.for_policy(model, ref_model, p.ref_model_init_kwargs)
-        return model
+        if self.peft_config is not None and ref_model is None and args.params.sync_ref_model:
+            raise PlaitError("sync_ref_model=True needs a separate reference, but with peft_config the reference "
+                             "is the policy with adapters off; pass ref_model or disable sync_ref_model")
+        return super().before_peft(model, args, ref_model)
 
     def prepare(self, dataset, processing_class, args, split):
         if dataset is None:
@@ -128,7 +119,10 @@ class DPOTrainer(PlaitTrainer):
             truncation_mode=p.truncation_mode, num_proc=p.dataset_num_proc,
         )
         if p.precompute_ref_log_probs:
-            dataset = self._with_reference_logps(dataset, processing_class, args)
+            dataset = self.with_reference_logps(
+                dataset, processing_class, args, ("ref_chosen_logps", "ref_rejected_logps"),
+                lambda batch: self.reference(self._policy, lambda m: self.completion_logps(m, batch)[0]).chunk(2),
+                ld_alpha=p.ld_alpha)
         return dataset
 
     def make_collator(self, processing_class, args):
@@ -136,10 +130,7 @@ class DPOTrainer(PlaitTrainer):
         return factory(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
 
     def after_init(self) -> None:
-        if self.args.params.precompute_ref_log_probs:
-            self.reference = Reference.none()  # every batch carries its cached reference log-probs
-        if self.reference.model is not None:
-            self.reference.model = self.accelerator.prepare_model(self.reference.model, evaluation_mode=True)
+        super().after_init()
         if self.args.params.sync_ref_model:
             self.add_callback(_SyncReference(self))
 
@@ -202,35 +193,6 @@ class DPOTrainer(PlaitTrainer):
         chosen, rejected = per_row.chunk(2)
         weights = torch.exp(chosen + rejected)
         return weights if cap is None else weights.clamp(max=cap)
-
-    # -- precomputed reference log-probs ------------------------------------------------------
-    def _with_reference_logps(self, dataset, processing_class, args):
-        """Compute the reference's log-probs once, cached by everything they depend on."""
-        p = args.params
-        depends_on = {
-            "method": "dpo", "reference": self.reference.model or self._policy, "adapters_off": self.reference.adapters_off,
-            "tokenizer": processing_class, "data": dataset, "max_length": p.max_length,
-            "truncation_mode": p.truncation_mode, "pad_to_multiple_of": p.pad_to_multiple_of, "ld_alpha": p.ld_alpha,
-            "batch_size": p.precompute_ref_batch_size or args.per_device_train_batch_size,
-            "chunked_logprobs": args.chunked_logprobs,
-        }
-        cached = cached_tensors(depends_on, lambda: self._compute_reference_logps(dataset, processing_class, args))
-        dataset = dataset.add_column("ref_chosen_logps", cached["chosen"].tolist())
-        return dataset.add_column("ref_rejected_logps", cached["rejected"].tolist())
-
-    def _compute_reference_logps(self, dataset, processing_class, args) -> dict[str, torch.Tensor]:
-        collate = self.make_collator(processing_class, args)
-        self.args = args  # completion_logps reads it; Trainer.__init__ sets the same object later
-        size = args.params.precompute_ref_batch_size or args.per_device_train_batch_size
-        chosen, rejected = [], []
-        for start in tqdm(range(0, len(dataset), size), desc="Reference log-probs"):
-            rows = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
-            inputs = collate(rows)
-            logps = self.reference(self._policy, lambda m: self.completion_logps(m, inputs)[0])
-            c, r = logps.chunk(2)
-            chosen.append(c.float().cpu())
-            rejected.append(r.float().cpu())
-        return {"chosen": torch.cat(chosen), "rejected": torch.cat(rejected)}
 
 
 class _SyncReference(TrainerCallback):

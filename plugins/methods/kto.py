@@ -16,17 +16,16 @@ import logging
 
 import attrs
 import torch
-from tqdm.auto import tqdm
 
 from plait import Method, hookimpl
 from plait.batches import UnpairedLogps
 from plait.config import method_config
 from plait.data import prepare_dataset
-from plait.models import Reference, cached_tensors
 from plait.objective import LossChoice, Objective
 from plait.params import positive
 from plait.plugins.data._collate import check_multiple, pad_token_id, padded_batch, sequences
-from plait.trainer import PlaitTrainer
+
+from ._reference import ReferenceTrainer
 
 logger = logging.getLogger("plait")
 
@@ -89,14 +88,11 @@ class _UnpairedBatches:
         return batch
 
 
-class KTOTrainer(PlaitTrainer):
+class KTOTrainer(ReferenceTrainer):
     """Unpaired preference optimisation against a reference, with ``kto.*`` losses composed by name."""
 
     method = "kto"
     config_class = KTOConfig
-
-    def __init__(self, model, ref_model=None, args=None, **kwargs):
-        super().__init__(model, args=args, ref_model=ref_model, **kwargs)
 
     def validate(self, args) -> None:
         p = args.params
@@ -106,13 +102,6 @@ class KTOTrainer(PlaitTrainer):
         if args.per_device_train_batch_size < 2:
             logger.warning("KTO: per_device_train_batch_size=1 pairs each prompt with its own completion, so the KL "
                            "estimate z equals the example's own log-ratio; use a batch of 2 or more")
-
-    def before_peft(self, model, args, ref_model=None):
-        if self.peft_config is not None and ref_model is None:
-            self.reference = Reference.adapters_disabled()
-        else:
-            self.reference = Reference.for_policy(model, ref_model, args.params.ref_model_init_kwargs)
-        return model
 
     def prepare(self, dataset, processing_class, args, split):
         if dataset is None:
@@ -125,19 +114,19 @@ class KTOTrainer(PlaitTrainer):
         if split == "train":
             check_class_balance(dataset["label"], p.desirable_weight, p.undesirable_weight)
         if p.precompute_ref_log_probs:
-            dataset = self._with_reference_logps(dataset, processing_class, args)
+            # each row's mismatched partner (the previous row's completion) is fixed before the reference sees it
+            completions = list(dataset["completion_ids"])
+            dataset = dataset.add_column("kl_completion_ids", completions[-1:] + completions[:-1])
+            dataset = self.with_reference_logps(
+                dataset, processing_class, args, ("ref_logps", "ref_kl_logps"),
+                lambda batch: [self.reference(self._policy, lambda m: self.completion_logps(m, batch, prefix))
+                               for prefix in ("", "kl_")])
         return dataset
 
     def make_collator(self, processing_class, args):
         factory = self.plugins.collators.get("collator.unpaired").obj
         pad_to = args.params.pad_to_multiple_of
         return _UnpairedBatches(factory(processing_class, pad_to_multiple_of=pad_to), processing_class, pad_to)
-
-    def after_init(self) -> None:
-        if self.args.params.precompute_ref_log_probs:
-            self.reference = Reference.none()  # every batch carries its cached reference log-probs
-        if self.reference.model is not None:
-            self.reference.model = self.accelerator.prepare_model(self.reference.model, evaluation_mode=True)
 
     # -- one step -----------------------------------------------------------------------------
     def completion_logps(self, model, inputs, prefix: str = "") -> torch.Tensor:
@@ -183,35 +172,6 @@ class KTOTrainer(PlaitTrainer):
             metrics.update({f"loss/{name}": value.detach() for name, value in parts.items()})
         self.record(metrics)  # NaN entries (a class absent from a batch) are skipped when logged
         return (loss, None) if return_outputs else loss
-
-    # -- precomputed reference log-probs ------------------------------------------------------
-    def _with_reference_logps(self, dataset, processing_class, args):
-        """Fix each row's mismatched partner (the previous row's completion), then compute the
-        reference's log-probs of both once, cached by everything they depend on."""
-        completions = list(dataset["completion_ids"])
-        dataset = dataset.add_column("kl_completion_ids", completions[-1:] + completions[:-1])
-        p = args.params
-        depends_on = {
-            "method": "kto", "reference": self.reference.model or self._policy, "adapters_off": self.reference.adapters_off,
-            "tokenizer": processing_class, "data": dataset, "max_length": p.max_length,
-            "truncation_mode": p.truncation_mode, "pad_to_multiple_of": p.pad_to_multiple_of,
-            "batch_size": p.precompute_ref_batch_size or args.per_device_train_batch_size,
-            "chunked_logprobs": args.chunked_logprobs,
-        }
-        cached = cached_tensors(depends_on, lambda: self._compute_reference_logps(dataset, processing_class, args))
-        dataset = dataset.add_column("ref_logps", cached["logps"].tolist())
-        return dataset.add_column("ref_kl_logps", cached["kl_logps"].tolist())
-
-    def _compute_reference_logps(self, dataset, processing_class, args) -> dict[str, torch.Tensor]:
-        collate = self.make_collator(processing_class, args)
-        self.args = args  # token_logprobs reads it; Trainer.__init__ sets the same object later
-        size = args.params.precompute_ref_batch_size or args.per_device_train_batch_size
-        logps, kl_logps = [], []
-        for start in tqdm(range(0, len(dataset), size), desc="Reference log-probs"):
-            inputs = collate([dataset[i] for i in range(start, min(start + size, len(dataset)))])
-            logps.append(self.reference(self._policy, lambda m: self.completion_logps(m, inputs)).float().cpu())
-            kl_logps.append(self.reference(self._policy, lambda m: self.completion_logps(m, inputs, "kl_")).float().cpu())
-        return {"logps": torch.cat(logps), "kl_logps": torch.cat(kl_logps)}
 
 
 def _mean(values: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,69 @@
+"""The frozen reference of the offline preference methods (DPO, KTO), in one place.
+
+Both regularise the policy towards a reference π_ref: a separate frozen model (a copy of the
+policy, or ``ref_model``), or with PEFT and no ``ref_model`` the policy with its adapters off.
+With ``precompute_ref_log_probs`` the reference's log-probs are computed once before training,
+cached by everything they depend on, and carried by the dataset, so no reference is loaded.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from plait.models import Reference, cached_tensors
+from plait.trainer import PlaitTrainer
+
+
+class ReferenceTrainer(PlaitTrainer):
+    """Base of offline methods with a reference; their params have ``ref_model_init_kwargs``,
+    ``precompute_ref_log_probs``, ``precompute_ref_batch_size``, ``max_length``,
+    ``truncation_mode`` and ``pad_to_multiple_of``."""
+
+    def __init__(self, model, ref_model=None, args=None, **kwargs):
+        super().__init__(model, args=args, ref_model=ref_model, **kwargs)
+
+    def before_peft(self, model, args, ref_model=None):
+        if self.peft_config is not None and ref_model is None:
+            self.reference = Reference.adapters_disabled()  # no second copy in memory
+        else:
+            self.reference = Reference.for_policy(model, ref_model, args.params.ref_model_init_kwargs)
+        return model
+
+    def after_init(self) -> None:
+        if self.args.params.precompute_ref_log_probs:
+            self.reference = Reference.none()  # every batch carries its cached reference log-probs
+        if self.reference.model is not None:
+            self.reference.model = self.accelerator.prepare_model(self.reference.model, evaluation_mode=True)
+
+    def with_reference_logps(self, dataset, processing_class, args, columns: Sequence[str],
+                             compute: Callable[[dict], Sequence[torch.Tensor]], **depends_on):
+        """``dataset`` with the reference's log-probs added as ``columns``: ``compute(batch)`` gives
+        one ``[rows]`` tensor per column for a collated batch. Computed once and cached by
+        everything the numbers depend on (``depends_on`` adds what the method's own knobs change)."""
+        p = args.params
+        size = p.precompute_ref_batch_size or args.per_device_train_batch_size
+        depends_on = {
+            "method": self.method, "columns": list(columns), "reference": self.reference.model or self._policy,
+            "adapters_off": self.reference.adapters_off, "tokenizer": processing_class, "data": dataset,
+            "max_length": p.max_length, "truncation_mode": p.truncation_mode, "pad_to_multiple_of": p.pad_to_multiple_of,
+            "batch_size": size, "chunked_logprobs": args.chunked_logprobs, **depends_on,
+        }
+
+        def run() -> dict[str, torch.Tensor]:
+            collate = self.make_collator(processing_class, args)
+            self.args = args  # token_logprobs reads it; Trainer.__init__ sets the same object later
+            parts = defaultdict(list)
+            for start in tqdm(range(0, len(dataset), size), desc="Reference log-probs"):
+                batch = collate([dataset[i] for i in range(start, min(start + size, len(dataset)))])
+                for column, values in zip(columns, compute(batch), strict=True):
+                    parts[column].append(values.float().cpu())
+            return {column: torch.cat(parts[column]) for column in columns}
+
+        cached = cached_tensors(depends_on, run)
+        for column in columns:
+            dataset = dataset.add_column(column, cached[column].tolist())
+        return dataset
