@@ -5,9 +5,10 @@ for strings, cut at a word boundary so the completions keep their leading space 
 BPE tokenisers spell " blue" as one token, and the policy would generate it that way).
 """
 
-from plait import hookimpl
 from plait.chat import is_conversational
 from plait.data import DataFormat
+
+from ._hooks import format_hooks
 
 
 def _common_prefix(a, b) -> int:
@@ -45,11 +46,4 @@ FORMAT = DataFormat(
 )
 
 
-@hookimpl
-def register_data_formats(register):
-    register(FORMAT.name, FORMAT, doc=FORMAT.doc)
-
-
-@hookimpl
-def detect_data_format(columns):
-    return FORMAT.detect(columns)
+register_data_formats, detect_data_format = format_hooks(FORMAT)

@@ -1,7 +1,8 @@
 """Language modelling data: ``{"text": str}`` or ``{"messages": [...]}`` (SFT on whole sequences)."""
 
-from plait import hookimpl
 from plait.data import DataFormat
+
+from ._hooks import format_hooks
 
 FORMAT = DataFormat(
     name="format.language_modeling",
@@ -12,11 +13,4 @@ FORMAT = DataFormat(
 )
 
 
-@hookimpl
-def register_data_formats(register):
-    register(FORMAT.name, FORMAT, doc=FORMAT.doc)
-
-
-@hookimpl
-def detect_data_format(columns):
-    return FORMAT.detect(columns)
+register_data_formats, detect_data_format = format_hooks(FORMAT)

@@ -1,7 +1,8 @@
 """Preference data with an explicit prompt: ``{"prompt", "chosen", "rejected"}`` (DPO, reward models)."""
 
-from plait import hookimpl
 from plait.data import DataFormat
+
+from ._hooks import format_hooks
 
 FORMAT = DataFormat(
     name="format.preference",
@@ -11,11 +12,5 @@ FORMAT = DataFormat(
 )
 
 
-@hookimpl
-def register_data_formats(register):
-    register(FORMAT.name, FORMAT, doc=FORMAT.doc)
-
-
-@hookimpl(tryfirst=True)  # more specific than {chosen, rejected} and {prompt}
-def detect_data_format(columns):
-    return FORMAT.detect(columns)
+# detection: more specific than {chosen, rejected} and {prompt}
+register_data_formats, detect_data_format = format_hooks(FORMAT, tryfirst=True)

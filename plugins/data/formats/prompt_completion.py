@@ -1,7 +1,8 @@
 """Prompt-completion data: ``{"prompt", "completion"}``, strings or conversations."""
 
-from plait import hookimpl
 from plait.data import DataFormat
+
+from ._hooks import format_hooks
 
 FORMAT = DataFormat(
     name="format.prompt_completion",
@@ -11,11 +12,4 @@ FORMAT = DataFormat(
 )
 
 
-@hookimpl
-def register_data_formats(register):
-    register(FORMAT.name, FORMAT, doc=FORMAT.doc)
-
-
-@hookimpl
-def detect_data_format(columns):
-    return FORMAT.detect(columns)
+register_data_formats, detect_data_format = format_hooks(FORMAT)

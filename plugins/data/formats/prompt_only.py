@@ -1,7 +1,8 @@
 """Prompt-only data: ``{"prompt": ...}`` plus any columns reward functions need (online RL)."""
 
-from plait import hookimpl
 from plait.data import DataFormat
+
+from ._hooks import format_hooks
 
 FORMAT = DataFormat(
     name="format.prompt_only",
@@ -11,11 +12,5 @@ FORMAT = DataFormat(
 )
 
 
-@hookimpl
-def register_data_formats(register):
-    register(FORMAT.name, FORMAT, doc=FORMAT.doc)
-
-
-@hookimpl(trylast=True)  # every prompt-bearing shape contains {prompt}: answer only when none did
-def detect_data_format(columns):
-    return FORMAT.detect(columns)
+# detection: every prompt-bearing shape contains {prompt}: answer only when none did
+register_data_formats, detect_data_format = format_hooks(FORMAT, trylast=True)

@@ -1,8 +1,9 @@
 """ShareGPT data: ``{"conversations": [{"from", "value"}, ...]}``, converted to messages."""
 
-from plait import hookimpl
 from plait.data import DataFormat
 from plait.errors import PlaitError
+
+from ._hooks import format_hooks
 
 ROLES = {
     "system": "system",
@@ -36,11 +37,4 @@ FORMAT = DataFormat(
 )
 
 
-@hookimpl
-def register_data_formats(register):
-    register(FORMAT.name, FORMAT, doc=FORMAT.doc)
-
-
-@hookimpl
-def detect_data_format(columns):
-    return FORMAT.detect(columns)
+register_data_formats, detect_data_format = format_hooks(FORMAT)

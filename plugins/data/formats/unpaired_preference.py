@@ -1,7 +1,8 @@
 """Unpaired preference data: ``{"prompt", "completion", "label"}`` with a boolean label (KTO)."""
 
-from plait import hookimpl
 from plait.data import DataFormat
+
+from ._hooks import format_hooks
 
 FORMAT = DataFormat(
     name="format.unpaired_preference",
@@ -11,11 +12,5 @@ FORMAT = DataFormat(
 )
 
 
-@hookimpl
-def register_data_formats(register):
-    register(FORMAT.name, FORMAT, doc=FORMAT.doc)
-
-
-@hookimpl(tryfirst=True)  # more specific than {prompt, completion}
-def detect_data_format(columns):
-    return FORMAT.detect(columns)
+# detection: more specific than {prompt, completion}
+register_data_formats, detect_data_format = format_hooks(FORMAT, tryfirst=True)
