@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import functools
 import logging
 import re
 import sys
@@ -35,16 +36,51 @@ logger = logging.getLogger("plait")
 # ---------------------------------------------------------------------------------------------
 
 
+def cpu_bf16_support() -> tuple[bool, str]:
+    """Whether this CPU computes bf16 natively, and why: its flags (/proc/cpuinfo, else torch's
+    cpuinfo probes) name AVX-512 BF16 or AMX-BF16 and torch's kernels run at AVX-512 level.
+    Without them bf16 is emulated through fp32 and autocast only adds casts."""
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split())
+        units = [name for name in ("avx512_bf16", "amx_bf16") if name in flags]
+    except (OSError, StopIteration):
+        units = [name for name, probe in (("avx512_bf16", torch.cpu._is_avx512_bf16_supported),
+                                          ("amx_bf16", torch.cpu._is_amx_tile_supported)) if probe()]
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not units:
+        return False, f"CPU without AVX-512 BF16 or AMX (torch kernels: {capability})"
+    if not capability.startswith("AVX512"):
+        return False, f"CPU has {'/'.join(units)} but torch's kernels run at {capability}"
+    return True, f"CPU with {'/'.join(units)} (torch kernels: {capability})"
+
+
 def _hardware_defaults(args: TrainingArguments) -> None:
-    """Fields left as None are chosen from the hardware (TRL's bf16=True default fails on CPU)."""
+    """Fields left as None are chosen from the hardware: bf16 autocast wherever the device
+    computes bf16 natively (a bf16 GPU, a CPU with AVX-512 BF16 or AMX), fp32 otherwise.
+    TRL's bf16=True default fails on a CPU (transformers wants use_cpu) and is slow without bf16 units."""
+    on_cpu = args.use_cpu or not torch.accelerator.is_available()
     if args.bf16 is None:
-        args.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported() and not args.fp16)
-        where = "CUDA with bf16 support" if args.bf16 else "no bf16-capable GPU"
-        logger.info("plait: %s -> %s mixed precision", where, "bf16" if args.bf16 else "no (fp32)")
+        if args.fp16:
+            args.bf16, reason = False, "fp16 asked for"
+        elif on_cpu:
+            args.bf16, reason = cpu_bf16_support()
+        elif torch.cuda.is_available():
+            args.bf16 = torch.cuda.is_bf16_supported()
+            reason = f"CUDA {'with' if args.bf16 else 'without'} bf16 support"
+        else:
+            args.bf16, reason = False, f"{torch.accelerator.current_accelerator()} not known to compute bf16 natively"
+        _log_precision_once(args.bf16, reason)
+    if args.bf16 and on_cpu:  # transformers refuses bf16 without a GPU unless told the run is on the CPU
+        args.use_cpu = True
     if args.fp16 is None:
         args.fp16 = False
     if args.dataloader_pin_memory is None:  # pinning needs an accelerator; on CPU it only warns
         args.dataloader_pin_memory = torch.cuda.is_available()
+
+
+@functools.cache
+def _log_precision_once(bf16: bool, reason: str) -> None:
+    logger.info("plait: %s -> %s", reason, "bf16 autocast" if bf16 else "fp32")
 
 
 NONFINITE_POLICIES = ("error", "skip")

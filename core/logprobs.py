@@ -161,16 +161,16 @@ def compare_distributions(
         return (logits / temperature if temperature != 1.0 else logits).log_softmax(-1)
 
     if chunked:
-        hidden, head, post, output = _final_hidden(model, input_ids, forward_kwargs)
+        hidden, head, project, output = _final_hidden(model, input_ids, forward_kwargs)
         with torch.no_grad():
-            other_hidden, other_head, other_post, _ = _final_hidden(other, input_ids, forward_kwargs)
+            other_hidden, other_head, other_project, _ = _final_hidden(other, input_ids, forward_kwargs)
         _check_same_width(_width(head), _width(other_head))
         mine, theirs = hidden[rows], other_hidden[rows]
 
         def piece(h: Tensor, g: Tensor) -> tuple[Tensor, ...]:
-            logp = tempered(post(head(h)))
+            logp = tempered(project(h))
             with torch.no_grad():
-                other_logp = tempered(other_post(other_head(g)))
+                other_logp = tempered(other_project(g))
             _check_same_width(logp.shape[-1], other_logp.shape[-1])
             out = fn(logp, other_logp)
             return out if isinstance(out, tuple) else (out,)
@@ -260,8 +260,9 @@ _checked_heads: weakref.WeakSet = weakref.WeakSet()
 
 def _final_hidden(model, input_ids, forward_kwargs) -> tuple[Tensor, torch.nn.Module, Callable[[Tensor], Tensor], Any]:
     """Run ``model`` once and return the hidden states its output layer projects ``[B, T, H]``,
-    that layer, what follows it (see :func:`_post_head`) and the model's output (logits of one
-    position per row)."""
+    that layer, ``project`` (hidden states -> logits exactly as the model computes them: the layer,
+    what follows it (see :func:`_post_head`), under the autocast its forward ran under) and the
+    model's output (logits of one position per row)."""
     inner = extract_model_from_parallel(model)  # unwraps DDP/compile; PeftModel forwards attributes
     head = inner.get_output_embeddings()
     if head is None:
@@ -278,7 +279,7 @@ def _final_hidden(model, input_ids, forward_kwargs) -> tuple[Tensor, torch.nn.Mo
             return None
         h = args[0] if args else kwargs.pop("input")
         # The RNG state lets _check_head replay dropout inside the layer (e.g. LoRA's) exactly.
-        captured.append((h, None if head in _checked_heads else _rng_state(h.device)))
+        captured.append((h, None if head in _checked_heads else _rng_state(h.device), _autocast_state(h.device)))
         return (h[..., -1:, :], *args[1:]), kwargs
 
     handle = head.register_forward_pre_hook(keep_last_position, with_kwargs=True)
@@ -288,19 +289,26 @@ def _final_hidden(model, input_ids, forward_kwargs) -> tuple[Tensor, torch.nn.Mo
         handle.remove()
     if not captured:
         raise PlaitError(f"{type(inner).__name__}'s forward never called its output layer; pass chunked=False to token_logprobs")
-    hidden, rng = captured[0]
+    hidden, rng, autocast = captured[0]
+
+    def project(h: Tensor) -> Tensor:
+        # accelerate's mixed precision autocasts only the model's forward; the chunks run after
+        # it returns, so they re-enter the same autocast (bf16 projections, as the model's own).
+        with autocast():
+            return post(head(h))
+
     if rng is not None:
-        _check_head(head, post, hidden, output.logits, rng)
-    return hidden, head, post, output
+        _check_head(head, project, hidden, output.logits, rng)
+    return hidden, head, project, output
 
 
 def _chunked(model, input_ids, forward_kwargs, targets, stats: _Stats, chunk_size) -> tuple[Tensor, ...]:
-    hidden, head, post, output = _final_hidden(model, input_ids, forward_kwargs)
+    hidden, head, project, output = _final_hidden(model, input_ids, forward_kwargs)
     flat = hidden.reshape(-1, hidden.shape[-1])
     size = chunk_size or default_chunk_size(getattr(head, "out_features", None) or output.logits.shape[-1])
 
     def chunk_stats(h: Tensor, t: Tensor) -> tuple[Tensor, ...]:
-        return stats(post(head(h).float()), t)
+        return stats(project(h).float(), t)
 
     needs_grad = torch.is_grad_enabled() and (flat.requires_grad or any(p.requires_grad for p in head.parameters()))
     pieces = []
@@ -334,7 +342,14 @@ def _rng_state(device: torch.device) -> tuple:
     return torch.get_rng_state(), accel
 
 
-def _check_head(head, post, hidden: Tensor, model_logits: Tensor, rng: tuple) -> None:
+def _autocast_state(device: torch.device) -> Callable[[], Any]:
+    """A context manager factory that re-enters the autocast state active now on ``device``."""
+    enabled = torch.is_autocast_enabled(device.type)
+    dtype = torch.get_autocast_dtype(device.type)
+    return lambda: torch.autocast(device.type, dtype=dtype, enabled=enabled)
+
+
+def _check_head(head, project, hidden: Tensor, model_logits: Tensor, rng: tuple) -> None:
     """Once per output layer: our projection of the last position must match the model's."""
     device = hidden.device
     accel = [] if device.type == "cpu" else [device]
@@ -342,7 +357,7 @@ def _check_head(head, post, hidden: Tensor, model_logits: Tensor, rng: tuple) ->
         torch.set_rng_state(rng[0])
         if rng[1] is not None:
             torch.get_device_module(device.type).set_rng_state(rng[1], device)
-        ours = post(head(hidden[..., -1:, :]).float())
+        ours = project(hidden[..., -1:, :]).float()
     theirs = model_logits.detach().float()
     if ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=2e-2, atol=2e-2):
         raise PlaitError(

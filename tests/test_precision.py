@@ -1,0 +1,94 @@
+"""Precision from the hardware: bf16 autocast where the device computes bf16 natively, fp32
+otherwise, an explicit choice always respected, and SFT/DPO learn under each."""
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+
+from plait.config import cpu_bf16_support
+from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
+from plait.plugins.methods.sft import SFTConfig, SFTTrainer
+from plait.testing.tiny_model import tiny_model_path
+
+WORDS = ["apple", "river", "stone", "cloud", "music", "garden", "window", "paper"]
+COMMON = dict(save_strategy="no", report_to="none", seed=0, max_length=64, logging_steps=1)
+
+
+def cpu_flags() -> set[str]:
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    return set(next(line for line in lines if line.startswith("flags")).split())
+
+
+def native_bf16_here() -> bool:
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    return cpu_bf16_support()[0]
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="needs Linux /proc/cpuinfo")
+def test_cpu_detection_agrees_with_proc_cpuinfo_and_torch():
+    native, reason = cpu_bf16_support()
+    units = {"avx512_bf16", "amx_bf16"} & cpu_flags()
+    assert native == (bool(units) and torch.backends.cpu.get_cpu_capability().startswith("AVX512")), reason
+    # torch's own cpuinfo probe reads the CPUID bits /proc/cpuinfo reports
+    assert torch.cpu._is_avx512_bf16_supported() == ("avx512_bf16" in cpu_flags())
+    assert all(unit in reason for unit in units)
+
+
+def test_default_config_picks_bf16_exactly_where_the_hardware_computes_it(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="plait"):
+        args = DPOConfig(output_dir=str(tmp_path), report_to="none")
+    assert args.bf16 is native_bf16_here()
+    assert args.mixed_precision == ("bf16" if args.bf16 else "no")
+    if args.bf16 and not torch.accelerator.is_available():
+        assert args.use_cpu  # else transformers refuses bf16 without a GPU
+    logged = [r.getMessage() for r in caplog.records if "bf16 autocast" in r.getMessage() or "fp32" in r.getMessage()]
+    assert len(logged) <= 1 and all(("bf16 autocast" if args.bf16 else "fp32") in m for m in logged)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_an_explicit_choice_is_respected(tmp_path, bf16):
+    args = SFTConfig(output_dir=str(tmp_path), report_to="none", bf16=bf16)
+    assert args.bf16 is bf16 and args.mixed_precision == ("bf16" if bf16 else "no")
+
+
+def _losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _trainers(tmp_path, precision: dict):
+    sft = SFTTrainer(
+        str(tiny_model_path()),
+        args=SFTConfig(output_dir=str(tmp_path / "sft"), per_device_train_batch_size=4, max_steps=8,
+                       learning_rate=3e-3, **COMMON, **precision),
+        train_dataset=Dataset.from_list([{"prompt": "The secret code is", "completion": " seven blue horses."}] * 8),
+    )
+    pairs = Dataset.from_list([{"prompt": f"Tell me about the {w}.", "chosen": f" The {w} is good.",
+                                "rejected": f" The {w} is bad."} for w in WORDS])
+    dpo = DPOTrainer(
+        str(tiny_model_path()),
+        args=DPOConfig(output_dir=str(tmp_path / "dpo"), per_device_train_batch_size=8, max_steps=8,
+                       learning_rate=1e-3, beta=0.1, **COMMON, **precision),
+        train_dataset=pairs,
+    )
+    return sft, dpo
+
+
+@pytest.mark.parametrize("precision", [{}, {"bf16": True}, {"bf16": False}], ids=["default", "bf16", "fp32"])
+def test_sft_and_dpo_learn_under_each_precision(tmp_path, precision):
+    sft, dpo = _trainers(tmp_path, precision)
+    expected = precision.get("bf16", native_bf16_here())
+    for trainer in (sft, dpo):
+        assert trainer.args.bf16 is expected
+        trainer.train()
+        # the precision asked for is the one the step ran under (accelerate autocasts the forward)
+        assert trainer.accelerator.mixed_precision == ("bf16" if expected else "no")
+        assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    sft_losses, dpo_losses = _losses(sft), _losses(dpo)
+    assert all(torch.isfinite(torch.tensor(sft_losses + dpo_losses)))
+    assert sft_losses[-1] < 0.85 * sft_losses[0], sft_losses
+    first, last = dpo.state.log_history[0], dpo.state.log_history[-2]
+    assert last["rewards/margins"] > first["rewards/margins"] + 0.05, (first, last)
