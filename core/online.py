@@ -38,9 +38,10 @@ from .generation import Generations, SamplingParams
 from .importance_sampling import importance_sampling_metrics, importance_weights
 from .logprobs import token_logprobs
 from .models import Reference
-from .objective import LossChoice
+from .objective import LossChoice, Objective
 from .params import in_range, int_at_least, non_negative, one_of, positive
-from .scoring import UnscoredBatches, compute_rewards, resolve_reward_funcs, reward_metrics, reward_weights
+from .scoring import (UnscoredBatches, compute_rewards, resolve_advantage_estimator, resolve_reward_funcs, reward_metrics,
+                      reward_weights)
 from .trainer import PlaitTrainer
 
 logger = logging.getLogger("plait")
@@ -268,9 +269,11 @@ class RolloutBuffer:
 
 class OnlineTrainer(PlaitTrainer):
     """Base of GRPO/RLOO trainers. Subclasses set ``method``, ``config_class``, ``loss_family``
-    and implement :meth:`build_objective` and :meth:`advantages`."""
+    and ``shared_loss_fields``, give their params an ``advantage_spec()``, and implement
+    :meth:`advantages`."""
 
     loss_family: ClassVar[str]
+    shared_loss_fields: ClassVar[tuple[str, ...]] = ()  # params every loss that takes them receives
     # The constructor's reward arguments, read by validate(). Class defaults, because validate()
     # also runs on a trainer whose __init__ never ran (`plait <method> --check`: a recipe gives its
     # rewards as the config's reward_funcs).
@@ -333,8 +336,12 @@ class OnlineTrainer(PlaitTrainer):
                 funcs[i] = attrs.evolve(func, name=f"{func.name}_{seen[func.name]}")
         return funcs
 
-    def build_objective(self, p):
-        raise NotImplementedError
+    def build_objective(self, p) -> Objective:
+        """The advantage estimator the params name and the ``loss_family`` losses they list."""
+        self.estimator = resolve_advantage_estimator(p.advantage_spec(), self.plugins, field="advantage_estimator")
+        shared = {name: getattr(p, name) for name in self.shared_loss_fields if getattr(p, name) is not None}
+        return Objective.build(p.loss_specs(), self.plugins.losses, family=self.loss_family, consumes=PolicyTokens,
+                               shared=shared, field=p.loss_field)
 
     def uses_reference(self, p) -> bool:
         """A KL term with beta > 0 (the config's, or one a loss entry sets itself) needs the reference."""

@@ -15,10 +15,8 @@ import torch
 from plait import Method, PlaitError, hookimpl
 from plait.batches import PolicyTokens
 from plait.config import method_config
-from plait.objective import Objective
 from plait.online import OnlineParams, OnlineTrainer
 from plait.params import non_negative, positive
-from plait.scoring import resolve_advantage_estimator
 
 # TRL's scale_rewards values -> the registered estimator that implements each
 SCALE_REWARDS = {"group": "advantage.group", True: "advantage.group", "batch": "advantage.batch",
@@ -92,12 +90,7 @@ class GRPOTrainer(OnlineTrainer):
     method = "grpo"
     config_class = GRPOConfig
     loss_family = "grpo"
-
-    def build_objective(self, p: GRPOParams) -> Objective:
-        self.estimator = resolve_advantage_estimator(p.advantage_spec(), self.plugins, field="advantage_estimator")
-        shared = {name: getattr(p, name) for name in SHARED_LOSS_FIELDS if getattr(p, name) is not None}
-        return Objective.build(p.loss_specs(), self.plugins.losses, family="grpo", consumes=PolicyTokens,
-                               shared=shared, field=p.loss_field)
+    shared_loss_fields = SHARED_LOSS_FIELDS
 
     def advantages(self, rewards, *, batch, old_logps, ref_logps) -> torch.Tensor:
         return self.estimator(self.gather_rollout(rewards))

@@ -18,10 +18,9 @@ import torch
 from plait import Method, PlaitError, hookimpl
 from plait.batches import PolicyTokens, Rollout
 from plait.config import method_config
-from plait.objective import Objective
 from plait.online import OnlineParams, OnlineTrainer
 from plait.params import non_negative
-from plait.scoring import resolve_advantage_estimator, total_reward
+from plait.scoring import total_reward
 
 SHARED_LOSS_FIELDS = ("epsilon", "epsilon_high", "delta")
 
@@ -44,6 +43,9 @@ class RLOOParams(OnlineParams):
     normalize_advantages: bool = False
     reward_clip_range: list | tuple | None = attrs.field(default=None, validator=_clip_range)
 
+    def advantage_spec(self) -> dict:
+        return {"name": "advantage.rloo", "normalize": self.normalize_advantages}
+
 
 RLOOConfig = method_config(
     "RLOOConfig", RLOOParams,
@@ -57,13 +59,7 @@ class RLOOTrainer(OnlineTrainer):
     method = "rloo"
     config_class = RLOOConfig
     loss_family = "rloo"
-
-    def build_objective(self, p: RLOOParams) -> Objective:
-        self.estimator = resolve_advantage_estimator({"name": "advantage.rloo", "normalize": p.normalize_advantages},
-                                                     self.plugins)
-        shared = {name: getattr(p, name) for name in SHARED_LOSS_FIELDS if getattr(p, name) is not None}
-        return Objective.build(p.loss_specs(), self.plugins.losses, family="rloo",
-                               consumes=PolicyTokens, shared=shared)
+    shared_loss_fields = SHARED_LOSS_FIELDS
 
     def needs_old_logps(self) -> bool:
         return self.args.params.beta > 0 or super().needs_old_logps()  # the KL penalty uses log π_old
