@@ -340,6 +340,7 @@ def test_plait_ppo_runs_the_recipe(tmp_path):
     data_file.write_text("".join(json.dumps({"prompt": f"Say something about {i}."}) + "\n" for i in range(16)))
     data.update(model=str(tiny_model_path()), reward_funcs=[str(reward_path)])
     data["dataset"]["data_files"] = str(data_file)
+    data["training"].pop("max_steps")  # the length is given as episodes here
     data["training"].update(output_dir=str(tmp_path / "out"), total_episodes=16, response_length=4)
     path = tmp_path / "ppo.yaml"
     path.write_text(yaml.safe_dump(data))
