@@ -40,35 +40,23 @@ from .logprobs import token_logprobs
 from .models import Reference
 from .objective import LossChoice, Objective
 from .params import in_range, int_at_least, non_negative, one_of, positive
-from .scoring import (UnscoredBatches, compute_rewards, resolve_advantage_estimator, resolve_reward_funcs, reward_metrics,
+from .scoring import (RewardChoice, UnscoredBatches, compute_rewards, resolve_advantage_estimator, resolve_reward_funcs, reward_metrics,
                       reward_weights)
 from .trainer import PlaitTrainer
 
 logger = logging.getLogger("plait")
 
 IS_MODES = ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate")
-ERROR_POLICIES = ("fail", "none")
-
-
 def _optional(validator):
     return attrs.validators.optional(validator)
 
 
 @attrs.define
-class OnlineParams(LossChoice):
+class OnlineParams(LossChoice, RewardChoice):
     """Knobs every online method shares, its losses included; names and defaults follow TRL's GRPOConfig.
 
     Subclasses name their ``default_loss``."""
 
-    reward_funcs: Any = None
-    reward_weights: list | None = None
-    reward_error_policy: str = attrs.field(default="fail", validator=one_of(ERROR_POLICIES))
-    # Seconds one reward call may take before reward_error_policy applies. None (no limit) keeps sync
-    # rewards in the training thread, where math-verify's own per-example timeouts work; a number
-    # runs them in a worker thread with that deadline (async ones under asyncio.wait_for).
-    reward_timeout: float | None = attrs.field(default=None, validator=_optional(positive))
-    # Generation batches in a row where no completion got a score before the run stops.
-    max_unscored_batches: int = attrs.field(default=3, validator=int_at_least(1))
     # generation
     num_generations: int = attrs.field(default=8, validator=int_at_least(2))
     generation_batch_size: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from .batches import Rollout
 from .errors import PlaitError
+from .params import int_at_least, one_of, positive
 from .registry import Component, UnknownComponentError
 
 logger = logging.getLogger("plait")
@@ -465,6 +466,26 @@ def compute_rewards(
         values = _after_failure(func, kwargs, n, result, on_error, timeout) if isinstance(result, Exception) else result
         scores[:, k] = torch.tensor(_column(func, values, n), dtype=torch.float32)
     return scores
+
+
+@attrs.define(slots=False)  # a mixin: params classes also inherit LossChoice, and two slotted bases cannot mix
+class RewardChoice:
+    """The reward knobs every method that scores its own samples shares (GRPO, RLOO, PPO); TRL's names.
+
+    ``reward_funcs`` are registered names, callables, import paths or reward-model folders, summed
+    with ``reward_weights``. ``reward_error_policy`` says what a reward that raises or times out
+    does: ``fail`` stops the run naming it, ``none`` scores that batch None (counted).
+    """
+
+    reward_funcs: Any = None
+    reward_weights: list | None = None
+    reward_error_policy: str = attrs.field(default="fail", validator=one_of(ON_ERROR))
+    # Seconds one reward call may take before reward_error_policy applies. None (no limit) keeps sync
+    # rewards in the training thread, where math-verify's own per-example timeouts work; a number
+    # runs them in a worker thread with that deadline (async ones under asyncio.wait_for).
+    reward_timeout: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive))
+    # Generation batches in a row where no completion got a score before the run stops.
+    max_unscored_batches: int = attrs.field(default=3, validator=int_at_least(1))
 
 
 @attrs.define

@@ -197,3 +197,25 @@ def test_bad_settings_fail_before_the_model_loads(overrides, message):
     with pytest.raises(PlaitError, match=message):
         plait.GRPOTrainer("/nonexistent/model", reward_funcs=low_tokens,
                           args=plait.GRPOConfig(output_dir="/tmp/plait-test-reward-robustness", **overrides))
+
+
+# -- PPO: the same reward knobs (RewardChoice), the same guarantees ---------------------------------
+
+
+def ppo_trainer(reward_model, **overrides):
+    values = dict(output_dir="/tmp/plait-test-reward-robustness-ppo", per_device_train_batch_size=4, response_length=4,
+                  num_ppo_epochs=1, learning_rate=1e-3, max_steps=10, logging_steps=1, report_to=[],
+                  save_strategy="no", disable_tqdm=True, seed=0)
+    args = plait.PPOConfig(**{**values, **overrides})
+    return plait.PPOTrainer(str(tiny_model_path()), reward_model=reward_model, args=args, train_dataset=PROMPTS)
+
+
+def test_ppo_stops_on_unscored_batches_and_on_a_hung_reward():
+    t = ppo_trainer([never_matches], max_unscored_batches=2)
+    with pytest.raises(PlaitError, match="no completion got a score in 2 generation batches in a row"):
+        t.train()
+    t = ppo_trainer([hangs], reward_timeout=1)
+    start = time.monotonic()
+    with pytest.raises(PlaitError, match="reward 'hangs' did not return within reward_timeout=1s"):
+        t.train()
+    assert time.monotonic() - start < 30

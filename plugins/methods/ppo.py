@@ -44,7 +44,8 @@ from plait.logprobs import token_logprobs
 from plait.models import Reference, load_model
 from plait.objective import Objective, normalise_loss_specs
 from plait.params import in_range, int_at_least, non_negative, one_of, positive
-from plait.scoring import compute_rewards, resolve_advantage_estimator, resolve_reward_funcs, reward_weights
+from plait.scoring import (RewardChoice, UnscoredBatches, compute_rewards, resolve_advantage_estimator,
+                           resolve_reward_funcs, reward_weights)
 
 from ._onpolicy import OnPolicyParams, OnPolicyTrainer, disable_dropout, pack
 
@@ -57,7 +58,7 @@ def _optional(validator):
 
 
 @attrs.define
-class PPOParams(OnPolicyParams):
+class PPOParams(OnPolicyParams, RewardChoice):
     """PPO's knobs; names and defaults follow TRL's PPOConfig.
 
     The reward is ``reward_funcs`` (registered names, callables, reward-model paths; or the
@@ -68,10 +69,7 @@ class PPOParams(OnPolicyParams):
     """
 
     default_loss = "policy"
-    reward_funcs: Any = None
     reward_model_path: str | None = None
-    reward_weights: list | None = None
-    reward_error_policy: str = attrs.field(default="fail", validator=one_of(("fail", "none")))
     value_model_path: str | None = None
     ref_model_init_kwargs: dict | None = None
     total_episodes: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
@@ -287,6 +285,7 @@ class PPOTrainer(OnPolicyTrainer):
         self.reward_funcs = resolve_reward_funcs(entries, self.plugins, getattr(self, "_reward_processing_class", None),
                                                  field=self._reward_field)
         self.reward_weights = reward_weights(self.reward_funcs, p.reward_weights)
+        self.unscored = UnscoredBatches([f.name for f in self.reward_funcs], p.max_unscored_batches)
         self._reward_entries = entries
         self._check_episodes(args)
 
@@ -418,7 +417,10 @@ class PPOTrainer(OnPolicyTrainer):
         columns = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "prompt")}
         rewards = compute_rewards(self.reward_funcs, prompts=prompts, completions=completions,
                                   completion_ids=generations.completion_ids, columns=columns,
-                                  trainer_state=self.state, on_error=p.reward_error_policy).to(device)
+                                  trainer_state=self.state, on_error=p.reward_error_policy,
+                                  timeout=p.reward_timeout).to(device)
+        if self.model.training:
+            self.unscored.check(self.accelerator.gather(rewards))
         rollout = Rollout(rewards=rewards, weights=self.reward_weights.to(device), group_size=1)
         scores = rollout.total_reward.nan_to_num(0.0)  # a completion no reward scored gets 0
         finished = torch.tensor(generations.finished, device=device)
