@@ -359,15 +359,16 @@ def test_under_bf16_autocast_chunked_equals_the_models_own_logits_in_values_and_
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_bf16_autocast_logprobs_stay_within_bound_of_fp32(tie):
-    """bf16 keeps 8 mantissa bits; on the tiny model each token's log-prob moves by about 0.01
-    (measured max 0.006-0.013), far below the 0.1 nats a DPO margin or PPO ratio would notice."""
+    """bf16 keeps 8 mantissa bits; each token's log-prob moves by at most 0.012 here (0.040 tied,
+    whose embeddings the ×8 head scaling inflates too; 0.002 on plait's tiny model, 0.007 on a
+    256-wide 4-layer Llama, benchmarks/precision.py), bounded below 0.1 nats."""
     ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(1))
     reference = token_logprobs(shared_llama(tie), ids).logps
-    outer = token_logprobs(shared_llama(tie), ids, chunked=True, chunk_size=40)
+    fp32_again = token_logprobs(shared_llama(tie), ids, chunk_size=40).logps
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast around the whole call
         around = token_logprobs(shared_llama(tie), ids, chunk_size=40).logps
     prepared = token_logprobs(bf16_prepared(tiny_llama(0, tie)), ids, chunk_size=40).logps
-    assert torch.equal(outer.logps, reference)  # fp32 is unaffected
+    assert_close_relative(fp32_again, reference)  # outside autocast, fp32 as before
     for bf16 in (around, prepared):
         error = (bf16 - reference).abs().max().item()
-        assert 0 < error < 0.05, error  # 0 would mean bf16 never ran
+        assert 0 < error < 0.1, error  # 0 would mean bf16 never ran
