@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import TrainingArguments
 
-from plait.config import build_method_config, load_run_config, method_config, yaml_load
+from plait.config import build_method_config, cpu_bf16_support, load_run_config, method_config, yaml_load
 from plait.errors import PlaitError
 from plait.params import positive
 
@@ -146,7 +146,8 @@ def test_method_defaults_override_training_arguments_defaults(tmp_path):
     assert ToyConfig(output_dir=str(tmp_path), learning_rate=3e-4).learning_rate == 3e-4
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the choice made on a CPU-only machine")
+@pytest.mark.skipif(torch.cuda.is_available() or cpu_bf16_support()[0],
+                    reason="checks the choice made on a CPU-only machine without bf16 units")
 def test_precision_left_unset_is_fp32_on_cpu(tmp_path):
     config = ToyConfig(output_dir=str(tmp_path))
     assert config.bf16 is False and config.fp16 is False  # TRL's bf16=True default would fail here
