@@ -72,6 +72,9 @@ def _hardware_defaults(args: TrainingArguments) -> None:
         _log_precision_once(args.bf16, reason)
     if args.bf16 and on_cpu:  # transformers refuses bf16 without a GPU unless told the run is on the CPU
         args.use_cpu = True
+        native, reason = cpu_bf16_support()
+        if not native:
+            _warn_emulated_once(reason)
     if args.fp16 is None:
         args.fp16 = False
     if args.dataloader_pin_memory is None:  # pinning needs an accelerator; on CPU it only warns
@@ -81,6 +84,13 @@ def _hardware_defaults(args: TrainingArguments) -> None:
 @functools.cache
 def _log_precision_once(bf16: bool, reason: str) -> None:
     logger.info("plait: %s -> %s", reason, "bf16 autocast" if bf16 else "fp32")
+
+
+@functools.cache
+def _warn_emulated_once(reason: str) -> None:
+    # measured (benchmarks/precision.py): DPO 5x slower in bf16 than fp32 on an AVX2-only CPU
+    logger.warning("plait: bf16=True on a %s: bf16 is emulated there and runs slower than fp32; "
+                   "leave bf16 unset to get fp32", reason)
 
 
 NONFINITE_POLICIES = ("error", "skip")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from plait.config import cpu_bf16_support
+from plait.config import _warn_emulated_once, cpu_bf16_support
 from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
 from plait.plugins.methods.sft import SFTConfig, SFTTrainer
 from plait.testing.tiny_model import tiny_model_path
@@ -50,9 +50,13 @@ def test_default_config_picks_bf16_exactly_where_the_hardware_computes_it(tmp_pa
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-def test_an_explicit_choice_is_respected(tmp_path, bf16):
-    args = SFTConfig(output_dir=str(tmp_path), report_to="none", bf16=bf16)
+def test_an_explicit_choice_is_respected_and_emulated_bf16_is_flagged(tmp_path, bf16, caplog):
+    _warn_emulated_once.cache_clear()  # said once per process; an earlier test may have said it
+    with caplog.at_level(logging.WARNING, logger="plait"):
+        args = SFTConfig(output_dir=str(tmp_path), report_to="none", bf16=bf16)
     assert args.bf16 is bf16 and args.mixed_precision == ("bf16" if bf16 else "no")
+    emulated = bf16 and not torch.accelerator.is_available() and not cpu_bf16_support()[0]
+    assert any("emulated" in r.getMessage() for r in caplog.records) == emulated
 
 
 def _losses(trainer) -> list[float]:
