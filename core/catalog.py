@@ -10,9 +10,11 @@ plugins themselves (:func:`plait.make_plugins`); the catalog only ever answers q
 
 A record is keyed by the plugin's *signature*: its entry point, the distribution's name and
 version, plait's version, Python's version, and the size and modification time of every Python
-file in the folder of the entry point's module. Editing, adding or upgrading a plugin changes
-its signature, so a record can be missing but never stale. Built-ins and third-party plugins
-are recorded the same way; nothing is asked of a plugin's author.
+file in the folder of the entry point's module and in plait's core. Editing, adding or upgrading
+a plugin changes its signature, and it is recorded afresh. What a listing cannot see: a plugin
+whose registrations depend on files outside its own folder, or on the environment; such a plugin
+should decide what it registers in its own folder. Built-ins and third-party plugins are recorded
+the same way; nothing else is asked of a plugin's author.
 
 The records live in one JSON file under ``$PLAIT_CACHE_DIR`` (default ``~/.cache/plait``,
 honouring ``XDG_CACHE_HOME``), written atomically; an unreadable or unwritable cache only
@@ -21,6 +23,7 @@ means the next listing imports the plugins again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -54,14 +57,20 @@ def signature(ep: importlib.metadata.EntryPoint) -> str | None:
         return None
     if spec is None or not spec.origin or not os.path.isfile(spec.origin):
         return None
-    folder = os.path.dirname(spec.origin)
-    files = sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
-                   for entry in os.scandir(folder) if entry.name.endswith(".py") and entry.is_file())
     from . import __version__
 
     dist = (ep.dist.name, ep.dist.version) if ep.dist else None
-    key = [FORMAT, __version__, platform.python_version(), ep.name, ep.value, dist, files]
+    key = [FORMAT, __version__, platform.python_version(), ep.name, ep.value, dist,
+           _python_files(os.path.dirname(spec.origin)), _python_files(os.path.dirname(__file__))]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def _python_files(folder: str) -> list:
+    """Name, size and mtime of every .py file in ``folder`` (plait's own core counts for every plugin:
+    how a registration is recorded can change with it in a development checkout)."""
+    return sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
+                  for entry in os.scandir(folder) if entry.name.endswith(".py") and entry.is_file())
 
 
 def record_of(plugins: Plugins, plugin_name: str) -> dict[str, Any]:
