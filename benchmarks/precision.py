@@ -17,8 +17,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from _timing import seconds_per_step  # benchmarks/ is on sys.path: these run as scripts
 
 RESULTS = Path(__file__).parent / "results" / "precision.json"
 
@@ -46,8 +47,6 @@ def build(vocab: int, seq: int, batch: int, layers: int):
 
 def time_dpo(bf16: bool, vocab: int, seq: int, batch: int, layers: int, steps: int) -> dict:
     import torch
-    from datasets import Dataset
-    from transformers import TrainerCallback
 
     from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
 
@@ -58,18 +57,9 @@ def time_dpo(bf16: bool, vocab: int, seq: int, batch: int, layers: int, steps: i
                      learning_rate=1e-5, max_length=seq, bf16=bf16)
     trainer = DPOTrainer(model, args=args, processing_class=tokenizer, train_dataset=None)
     fixed = trainer.plugins.collators.get("collator.preference").obj(tokenizer)(rows)
-    trainer.train_dataset = Dataset.from_list([{"row": i} for i in range(batch * (steps + 1))])
-    trainer.data_collator = lambda _rows: fixed
-    times = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            times.append(time.perf_counter())
-
-    trainer.add_callback(Clock())
-    trainer.train()
+    seconds = seconds_per_step(trainer, fixed, batch, steps)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    return {"bf16": bf16, "s_per_step": (times[-1] - times[0]) / (len(times) - 1), "losses": losses,
+    return {"bf16": bf16, "s_per_step": seconds, "losses": losses,
             "load_1min": os.getloadavg()[0]}
 
 

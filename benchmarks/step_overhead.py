@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from _timing import seconds_per_step  # benchmarks/ is on sys.path: these run as scripts
+
 RESULTS = Path(__file__).parent / "results" / "step_overhead.json"
 
 
@@ -77,7 +79,6 @@ def bare_step_fn(method: str, model, batch):
 
 def run_variant(method: str, variant: str, vocab: int, seq: int, batch: int, steps: int) -> dict:
     import torch
-    from transformers import TrainerCallback
 
     from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
     from plait.plugins.methods.sft import SFTConfig, SFTTrainer
@@ -106,20 +107,7 @@ def run_variant(method: str, variant: str, vocab: int, seq: int, batch: int, ste
             step()
         seconds = (time.perf_counter() - start) / steps
     else:
-        from datasets import Dataset
-
-        trainer.train_dataset = Dataset.from_list([{"row": i} for i in range(batch * (steps + 1))])
-        trainer.data_collator = lambda _rows: fixed
-
-        times = []
-
-        class Clock(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                times.append(time.perf_counter())
-
-        trainer.add_callback(Clock())
-        trainer.train()
-        seconds = (times[-1] - times[0]) / (len(times) - 1)
+        seconds = seconds_per_step(trainer, fixed, batch, steps)
     return {"method": method, "variant": variant, "s_per_step": seconds, "peak_rss_rise_mib": (_peak() - rss0) / 2**20}
 
 
