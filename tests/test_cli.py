@@ -235,3 +235,28 @@ def test_relaunched_processes_never_import_from_the_working_directory(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pluggy.py"]
     out = capfd.readouterr().out
     assert out.count('"name": "dpo_sigmoid"') == 2  # each process loaded the real plugins
+
+
+def test_check_reads_a_reward_model_folder_without_loading_its_weights(tmp_path, capsys):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from plait.scoring import resolve_reward_funcs
+
+    good, broken = tmp_path / "rm", tmp_path / "rm-broken"
+    for folder in (good, broken):
+        AutoModelForSequenceClassification.from_pretrained(tiny_model_path(), num_labels=1).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(tiny_model_path()).save_pretrained(folder)
+    (broken / "model.safetensors").write_bytes(b"not weights")  # --check must never read it
+    data = Path(__file__).resolve().parents[1] / "examples" / "data" / "demo_preferences.jsonl"
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(f"method: grpo\nmodel: {tiny_model_path()}\ndataset: {data}\nreward_funcs: [{broken}]\n"
+                      "training: {num_generations: 4, per_device_train_batch_size: 4}\n")
+    assert main(["grpo", "--config", str(recipe), "--check"]) == 0
+    assert "is a valid grpo recipe" in capsys.readouterr().out
+    # the weights load when the reward first scores: the same numbers as the model loaded by hand
+    reward, = resolve_reward_funcs([str(good)])
+    scored = reward(prompts=["Hello", "Hi"], completions=[" there", " you"])
+    model = AutoModelForSequenceClassification.from_pretrained(good)
+    tokenizer = AutoTokenizer.from_pretrained(good)
+    by_hand, = resolve_reward_funcs([model], processing_class=tokenizer)
+    assert scored == by_hand(prompts=["Hello", "Hi"], completions=[" there", " you"])

@@ -99,9 +99,33 @@ def _looks_like_model(spec: str) -> bool:
     return spec.count("/") == 1 and ":" not in spec
 
 
+@attrs.define(eq=False)
+class DeferredRewardModel:
+    """A reward-model folder checked now (its config) and loaded when it first scores.
+
+    Resolving a recipe's rewards happens in ``--check`` and before the policy loads, so it reads
+    only config.json; the weights and tokenizer load on the first call, which a training run makes
+    at its first rollout.
+    """
+
+    path: str
+    tokenizer: Any = None
+    _scorer: RewardModelScorer | None = None
+
+    def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
+        if self._scorer is None:
+            from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+            model = AutoModelForSequenceClassification.from_pretrained(self.path)
+            tokenizer = self.tokenizer if self.tokenizer is not None else AutoTokenizer.from_pretrained(self.path)
+            self._scorer = reward_model_function(model, tokenizer).fn
+        return self._scorer(prompts, completions, **kwargs)
+
+
 def load_reward_model(path: str, tokenizer: Any = None) -> RewardFunction:
-    """Load a sequence-classification reward model (and its tokenizer unless given) from a folder or hub id."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+    """A sequence-classification reward model (and its tokenizer unless given) from a folder or hub id:
+    its config is checked now, its weights load when it first scores (:class:`DeferredRewardModel`)."""
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(path)
@@ -113,8 +137,11 @@ def load_reward_model(path: str, tokenizer: Any = None) -> RewardFunction:
         # loading it anyway would put a randomly initialised score head on top
         raise PlaitError(f"reward model {path!r} is a {architectures or config.model_type} checkpoint, not a "
                          "…ForSequenceClassification; train one with the reward method or pick a reward-model checkpoint")
-    model = AutoModelForSequenceClassification.from_pretrained(path)
-    return reward_model_function(model, tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path))
+    if config.num_labels != 1:
+        raise PlaitError(f"reward model {path!r} has num_labels={config.num_labels}; a reward model has one "
+                         "output (num_labels=1)")
+    name = os.path.basename(path.rstrip("/")) or "reward_model"
+    return RewardFunction(name, DeferredRewardModel(path, tokenizer))
 
 
 @hookimpl
