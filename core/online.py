@@ -398,9 +398,11 @@ class OnlineTrainer(PlaitTrainer):
         return self.buffer.next(lambda: self.rollout(inputs))
 
     def resume_state(self) -> dict:
-        return {"buffer": self.buffer.state_dict(), "num_tokens": getattr(self, "_tokens_seen", 0)}
+        return {**super().resume_state(), "buffer": self.buffer.state_dict(),
+                "num_tokens": getattr(self, "_tokens_seen", 0)}
 
     def load_resume_state(self, state: dict) -> None:
+        super().load_resume_state(state)
         self.buffer.load_state_dict(state["buffer"], self.accelerator.device)
         self._tokens_seen = state["num_tokens"]
 

@@ -312,11 +312,13 @@ class PlaitTrainer(Trainer):
     # -- exact resume: what a method keeps beyond weights, optimizer, scheduler and RNG ---------
     def resume_state(self) -> dict[str, Any]:
         """This process's training state the Trainer does not save (a rollout buffer, running
-        counters); empty when the method keeps none. Saved in every checkpoint."""
-        return {}
+        counters); empty when there is none. Saved in every checkpoint. A method that adds its own
+        extends ``super().resume_state()``."""
+        return {"nonfinite_steps_skipped": self.nonfinite_steps_skipped} if self.nonfinite_steps_skipped else {}
 
     def load_resume_state(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`resume_state` returned, before the first resumed micro-step."""
+        self.nonfinite_steps_skipped = state.get("nonfinite_steps_skipped", 0)
 
     def _save_rng_state(self, output_dir: str) -> None:
         # The Trainer saves each process's RNG here; the method's own state travels beside it.

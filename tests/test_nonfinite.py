@@ -130,6 +130,17 @@ def test_skip_drops_only_the_nonfinite_update_and_finishes(tmp_path, caplog, acc
     assert all_finite(load_file(tmp_path / "model.safetensors").values())
 
 
+def test_the_skipped_steps_count_continues_after_a_resume(tmp_path):
+    # step 2 is skipped; the run is cut after step 3's checkpoint and resumed by a fresh trainer
+    first = dpo_run(tmp_path, on_nonfinite_loss="skip", max_steps=3)
+    first.train()
+    assert first.nonfinite_steps_skipped == 1
+    resumed = dpo_run(tmp_path, on_nonfinite_loss="skip")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert resumed.state.global_step == 4 and resumed.nonfinite_steps_skipped == 1
+    assert [h["nonfinite_steps_skipped"] for h in resumed.state.log_history if "loss" in h][-1] == 1
+
+
 def test_a_nonfinite_gradient_with_a_finite_loss_stops_the_run(tmp_path):
     # lr = 1e30: step 1's update leaves finite but enormous weights; step 2's loss is still finite
     # (a uniform distribution) while its gradient overflows to NaN

@@ -146,9 +146,10 @@ class OnPolicyTrainer(PlaitTrainer):
         return self.buffer.next(lambda: self.rollout(inputs))
 
     def resume_state(self) -> dict:
-        return {"buffer": self.buffer.state_dict()}
+        return {**super().resume_state(), "buffer": self.buffer.state_dict()}
 
     def load_resume_state(self, state: dict) -> None:
+        super().load_resume_state(state)
         self.buffer.load_state_dict(state["buffer"], self.accelerator.device)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
