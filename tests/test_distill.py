@@ -26,7 +26,7 @@ from plait.logprobs import compare_distributions, token_logprobs
 from plait.losses.distill_jsd import JSDParams, distill_jsd
 from plait.plugins.methods.distill import DistillConfig, DistillTrainer
 from plait.testing import check_loss
-from plait.testing.tiny_model import build_tiny_model, tiny_model_path
+from plait.testing.tiny_model import build_tiny_model, noisy_tiny_model, tiny_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 FEW = settings(max_examples=15, deadline=None)
@@ -337,15 +337,6 @@ class FixedLengthsPlugin:
         register("generation.fixed_lengths", FixedLengths)
 
 
-def noisy_teacher():
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path())
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.5)
-    return model
-
-
 def test_gradient_accumulation_normalises_by_the_tokens_of_the_whole_step(tmp_path):
     """One step of 8 prompts and one step of 2 × 4 prompts give the same update, although the two
     micro-batches hold different numbers of completion tokens."""
@@ -354,7 +345,7 @@ def test_gradient_accumulation_normalises_by_the_tokens_of_the_whole_step(tmp_pa
         args = config(tmp_path / f"{batch}", per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
                       max_steps=1, shuffle_dataset=False, max_grad_norm=0.0, optim="sgd", learning_rate=1.0,
                       generation_backend="fixed_lengths")
-        trainer = DistillTrainer(str(tiny_model_path()), teacher_model=noisy_teacher(), args=args,
+        trainer = DistillTrainer(str(tiny_model_path()), teacher_model=noisy_tiny_model(), args=args,
                                  train_dataset=prompts(WORDS[:8]), plugins=make_plugins(plugins=[FixedLengthsPlugin()]))
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         trainer.train()
@@ -368,7 +359,7 @@ def test_with_lora_only_the_adapters_learn_and_completions_are_logged(tmp_path, 
     from peft import LoraConfig
 
     args = config(tmp_path, max_steps=1, log_completions=True, num_completions_to_print=2, learning_rate=1e-2)
-    trainer = DistillTrainer(str(tiny_model_path()), teacher_model=noisy_teacher(), args=args,
+    trainer = DistillTrainer(str(tiny_model_path()), teacher_model=noisy_tiny_model(), args=args,
                              train_dataset=prompts(WORDS[:4]), peft_config=LoraConfig(r=4, target_modules="all-linear"))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()

@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 import plait
 from plait.plugins.methods.distill import DistillConfig, DistillTrainer
 from plait.plugins.methods.ppo import PPOConfig, PPOTrainer
-from plait.testing.tiny_model import tiny_model_path
+from plait.testing.tiny_model import noisy_tiny_model, tiny_model_path
 
 PLAIT = Path(sys.executable).parent / "plait"  # the console script installed beside this python
 WORDS = ("The river", "A good answer", "What is 7 plus 5?", "Python is", "The weather today", "Numbers such as",
@@ -218,18 +218,9 @@ def test_offline_methods_resume_bit_identically(tmp_path, method):
     assert_same_run(straight, resumed, method, ())
 
 
-def noisy_teacher():
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path())
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.5)
-    return model
-
-
 def test_distill_resumes_bit_identically(tmp_path):
     # gradient_accumulation 2: each optimizer step samples 8 prompts (the whole data set: one epoch)
-    teacher = noisy_teacher()
+    teacher = noisy_tiny_model()
 
     def build(output):
         args = DistillConfig(output_dir=str(output), **COMMON, per_device_train_batch_size=4,

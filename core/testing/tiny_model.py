@@ -192,3 +192,17 @@ def tiny_model_path(generation_markers: bool = True, *, seed: int = 0) -> pathli
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final
+
+
+def noisy_tiny_model(seed: int = 1, scale: float = 0.5):
+    """The tiny model with Gaussian noise (``scale``) added to every weight, drawn from ``seed``
+    without touching the caller's RNG: a different but fixed model, e.g. a teacher to distil from."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path())
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * scale)
+    return model
