@@ -255,7 +255,25 @@ class RolloutBuffer:
 # ---------------------------------------------------------------------------------------------
 
 
-class OnlineTrainer(PlaitTrainer):
+class PromptData:
+    """The data of a trainer that learns from its own samples: rows are prompts (the ``prompt_only``
+    task, cut to ``max_prompt_length``), batched left-padded by ``collator.prompt_only``.
+    Shared by :class:`OnlineTrainer` and the on-policy PPO/distillation base."""
+
+    def prepare(self, dataset, processing_class, args, split):
+        if dataset is None:
+            return None
+        from .data import prepare_dataset
+
+        p = args.params
+        return prepare_dataset(dataset, processing_class, "prompt_only", plugins=self.plugins,
+                               max_length=p.max_prompt_length, num_proc=p.dataset_num_proc)
+
+    def make_collator(self, processing_class, args):
+        return self.plugins.collators.get("collator.prompt_only").obj(processing_class)
+
+
+class OnlineTrainer(PromptData, PlaitTrainer):
     """Base of GRPO/RLOO trainers. Subclasses set ``method``, ``config_class``, ``loss_family``
     and ``shared_loss_fields``, give their params an ``advantage_spec()``, and implement
     :meth:`advantages`."""
@@ -345,18 +363,6 @@ class OnlineTrainer(PlaitTrainer):
         else:
             self.reference = Reference.none()  # beta = 0: no reference model at all
         return model
-
-    def prepare(self, dataset, processing_class, args, split):
-        if dataset is None:
-            return None
-        from .data import prepare_dataset
-
-        p = args.params
-        return prepare_dataset(dataset, processing_class, "prompt_only", plugins=self.plugins,
-                               max_length=p.max_prompt_length, num_proc=p.dataset_num_proc)
-
-    def make_collator(self, processing_class, args):
-        return self.plugins.collators.get("collator.prompt_only").obj(processing_class)
 
     def after_init(self) -> None:
         p = self.args.params

@@ -20,10 +20,9 @@ from torch import Tensor
 
 from plait import PlaitError
 from plait.chat import is_conversational
-from plait.data import prepare_dataset
 from plait.generation import Generations, SamplingParams
 from plait.objective import LossChoice
-from plait.online import GroupSampler, RolloutBuffer, format_table, prompt_text
+from plait.online import GroupSampler, PromptData, RolloutBuffer, format_table, prompt_text
 from plait.params import in_range, positive
 from plait.trainer import PlaitTrainer
 
@@ -71,7 +70,7 @@ class OnPolicyParams(LossChoice):
         )
 
 
-class OnPolicyTrainer(PlaitTrainer):
+class OnPolicyTrainer(PromptData, PlaitTrainer):
     """Base of trainers that sample one completion per prompt and learn from the rollout.
 
     Subclasses implement :meth:`rollout_plan` (micro-steps per rollout, passes over it),
@@ -98,16 +97,6 @@ class OnPolicyTrainer(PlaitTrainer):
     def validate(self, args) -> None:
         self.micro_steps, self.passes = self.rollout_plan(args)
         self.plugins.generation_backends.get(args.params.generation_backend, family="generation")  # fail now
-
-    def prepare(self, dataset, processing_class, args, split):
-        if dataset is None:
-            return None
-        p = args.params
-        return prepare_dataset(dataset, processing_class, "prompt_only", plugins=self.plugins,
-                               max_length=p.max_prompt_length, num_proc=p.dataset_num_proc)
-
-    def make_collator(self, processing_class, args):
-        return self.plugins.collators.get("collator.prompt_only").obj(processing_class)
 
     def after_init(self) -> None:
         p = self.args.params
