@@ -60,19 +60,20 @@ class RewardModelScorer:
         return scores
 
 
-def _check_classifier(model: Any, where: str) -> None:
-    if not type(model).__name__.endswith("ForSequenceClassification"):
-        raise PlaitError(f"reward model {where!r} is a {type(model).__name__}, not a …ForSequenceClassification; "
+def _check_classifier(architectures: list[str], num_labels: int, where: str, kind: str) -> None:
+    """A reward model is a …ForSequenceClassification with one output; ``kind`` names what was found."""
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise PlaitError(f"reward model {where!r} is a {kind}, not a …ForSequenceClassification; "
                          "train one with the reward method or pick a reward-model checkpoint")
-    if model.config.num_labels != 1:
-        raise PlaitError(f"reward model {where!r} has num_labels={model.config.num_labels}; a reward model has one "
+    if num_labels != 1:
+        raise PlaitError(f"reward model {where!r} has num_labels={num_labels}; a reward model has one "
                          "output (num_labels=1)")
 
 
 def reward_model_function(model: Any, tokenizer: Any = None, *, batch_size: int = 8) -> RewardFunction:
     """Wrap a loaded sequence classifier (and its tokenizer, else loaded from its folder)."""
     where = model.config.name_or_path or type(model).__name__
-    _check_classifier(model, where)
+    _check_classifier([type(model).__name__], model.config.num_labels, where, type(model).__name__)
     if tokenizer is None:
         from transformers import AutoTokenizer
 
@@ -132,14 +133,9 @@ def load_reward_model(path: str, tokenizer: Any = None) -> RewardFunction:
     except Exception as err:  # noqa: BLE001 - any loading failure means the same to the user
         first = (str(err).strip().splitlines() or [""])[0]
         raise PlaitError(f"reward model {path!r} could not be loaded ({type(err).__name__}: {first}); check the path") from err
+    # a causal-LM checkpoint would load with a randomly initialised score head on top
     architectures = config.architectures or []
-    if not any(a.endswith("ForSequenceClassification") for a in architectures):
-        # loading it anyway would put a randomly initialised score head on top
-        raise PlaitError(f"reward model {path!r} is a {architectures or config.model_type} checkpoint, not a "
-                         "…ForSequenceClassification; train one with the reward method or pick a reward-model checkpoint")
-    if config.num_labels != 1:
-        raise PlaitError(f"reward model {path!r} has num_labels={config.num_labels}; a reward model has one "
-                         "output (num_labels=1)")
+    _check_classifier(architectures, config.num_labels, path, f"{architectures or config.model_type} checkpoint")
     name = os.path.basename(path.rstrip("/")) or "reward_model"
     return RewardFunction(name, DeferredRewardModel(path, tokenizer))
 
