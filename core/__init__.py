@@ -21,7 +21,15 @@ except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
 __all__ = ["Method", "PlaitError", "PluginLoadError", "__version__", "default_plugins", "hookimpl", "make_plugins"]
 
 
+SCRIPT_ARGS = ("ModelConfig", "ScriptArguments", "DatasetConfig", "DatasetMixtureConfig", "PlaitParser", "TrlParser",
+               "get_peft_config", "get_quantization_config", "get_kbit_device_map", "get_dataset")
+
+
 def __getattr__(name: str):
+    if name in SCRIPT_ARGS:  # TRL's script helpers; imported on first use (they import transformers)
+        from . import script_args
+
+        return getattr(script_args, name)
     # DPOConfig, DPOTrainer, ... come from whichever plugin registered the method.
     if name[:1].isupper():
         for component in default_plugins().methods:
