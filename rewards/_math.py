@@ -28,18 +28,43 @@ def _timeout() -> int | None:
     return 5 if threading.current_thread() is threading.main_thread() else None
 
 
-def parse_gold(solution: Any, reward: str) -> list:
-    """The parsed gold answer; an empty list when math-verify finds no answer in it."""
+def parse_gold(solution: Any, reward: str, latex_only: bool = False) -> list:
+    """The parsed gold answer; an empty list when math-verify finds no answer in it.
+
+    ``latex_only`` parses as TRL 1.16 does (math-verify's defaults, every match), plait's own
+    rule takes the first answer found."""
     mv = require_math_verify(reward)
-    return mv.parse(str(solution), extraction_mode="first_match", parsing_timeout=_timeout())
+    mode = "any_match" if latex_only else "first_match"
+    return mv.parse(str(solution), extraction_mode=mode, parsing_timeout=_timeout())
 
 
-def is_correct(gold: list, text: str, reward: str) -> bool:
-    """Does the first answer in ``text`` (a \\boxed{} answer before anything else) equal ``gold``?"""
+def parse_answer(text: str, reward: str, latex_only: bool = False) -> list:
+    """The first answer in ``text``: a ``\\boxed{}`` answer before anything else.
+
+    plait accepts LaTeX or a plain expression ("the answer is 7"). ``latex_only`` is TRL 1.16's
+    rule: only a boxed or anchored LaTeX answer counts, with units normalised away."""
     mv = require_math_verify(reward)
-    config = [mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig()]
-    answer = mv.parse(text, extraction_config=config, extraction_mode="first_match", parsing_timeout=_timeout())
-    return bool(mv.verify(gold, answer, timeout_seconds=_timeout()))
+    if latex_only:
+        from latex2sympy2_extended import NormalizationConfig
+
+        config = [mv.LatexExtractionConfig(normalization_config=NormalizationConfig(units=True),
+                                           boxed_match_priority=0, try_extract_without_anchor=False)]
+    else:
+        config = [mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig()]
+    return mv.parse(text, extraction_config=config, extraction_mode="first_match", parsing_timeout=_timeout())
+
+
+def judge(solution: Any, text: str, reward: str, latex_only: bool = False) -> tuple[float | None, str, str]:
+    """(score, gold as parsed, answer as parsed): the score is 1.0 / 0.0 for a correct / wrong
+    answer and None when the gold solution has no parsable answer; the parsed texts are what
+    TRL's ``log_extra`` shows beside each completion."""
+    gold = parse_gold(solution, reward, latex_only)
+    if not gold:
+        return None, "[unparseable]", "[skipped]"
+    answer = parse_answer(text, reward, latex_only)
+    mv = require_math_verify(reward)
+    score = 1.0 if mv.verify(gold, answer, timeout_seconds=_timeout()) else 0.0
+    return score, str(gold), str(answer) if answer else "[unparseable]"
 
 
 def column_of(kwargs: dict, column: str, reward: str) -> list:
@@ -53,9 +78,14 @@ def column_of(kwargs: dict, column: str, reward: str) -> list:
     return kwargs[column]
 
 
-def accuracy_of(solution: Any, text: str, reward: str) -> float | None:
+def accuracy_of(solution: Any, text: str, reward: str, latex_only: bool = False) -> float | None:
     """1.0 / 0.0 for a correct / wrong answer; None when the gold solution has no parsable answer."""
-    gold = parse_gold(solution, reward)
-    if not gold:
-        return None
-    return 1.0 if is_correct(gold, text, reward) else 0.0
+    return judge(solution, text, reward, latex_only)[0]
+
+
+def log_judgements(log_extra, solution: list, judgements: list[tuple[float | None, str, str]]) -> None:
+    """Hand TRL's ``log_extra`` the columns its completions table shows beside each completion."""
+    if log_extra is not None:
+        log_extra("solution", list(solution))
+        log_extra("gold_parsed", [gold for _, gold, _ in judgements])
+        log_extra("answer_parsed", [answer for _, _, answer in judgements])

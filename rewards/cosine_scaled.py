@@ -13,6 +13,9 @@ c = cos(π·t), a correct answer scores
 (min_value_wrong at length 0, rising to max_value_wrong at L: thinking longer before a wrong
 answer is punished less). Correctness is math-verify's, as in ``reward.accuracy``; a gold
 solution with no parsable answer scores None. Needs ``pip install 'plait[math]'``.
+
+``get_cosine_scaled_reward(max_len, ...)`` is TRL 1.16's factory: the same reward with TRL's
+answer rule (``latex_only=True``), also registered under that name.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class CosineScaled:
     min_value_correct: float = attrs.field(default=0.5, validator=finite)
     max_value_correct: float = attrs.field(default=1.0, validator=finite)
     column: str = attrs.field(default="solution", validator=attrs.validators.instance_of(str))
+    # TRL 1.16's rule: only a boxed or anchored LaTeX answer counts ("the answer is 7" does not)
+    latex_only: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    __name__ = "cosine_scaled_reward"  # what TRL 1.16 logs a callable instance under
 
     def __attrs_post_init__(self) -> None:
         for kind in ("wrong", "correct"):
@@ -58,11 +64,13 @@ class CosineScaled:
             return self.min_value_correct + 0.5 * (self.max_value_correct - self.min_value_correct) * (1 + c)
         return self.max_value_wrong + 0.5 * (self.min_value_wrong - self.max_value_wrong) * (1 + c)
 
-    def __call__(self, completions: list, completion_ids: list, **kwargs) -> list[float | None]:
-        solutions = column_of(kwargs, self.column, NAME)
+    # TRL's order: ``reward(completions, solution, completion_ids)``
+    def __call__(self, completions: list, solution: list | None = None, completion_ids: list | None = None,
+                 **kwargs) -> list[float | None]:
+        solutions = column_of({"solution": solution, **kwargs} if solution is not None else kwargs, self.column, NAME)
         scores: list[float | None] = []
         for completion, ids, gold in zip(completions, completion_ids, solutions):
-            accuracy = accuracy_of(gold, completion_text(completion), NAME)
+            accuracy = accuracy_of(gold, completion_text(completion), NAME, self.latex_only)
             scores.append(None if accuracy is None else self.score(accuracy == 1.0, len(ids)))
         return scores
 
@@ -72,6 +80,18 @@ def make_cosine_scaled(params: CosineScaled) -> CosineScaled:
     return params
 
 
+def get_cosine_scaled_reward(max_len: int, min_value_wrong: float = -1.0, max_value_wrong: float = -0.5,
+                             min_value_correct: float = 0.5, max_value_correct: float = 1.0) -> CosineScaled:
+    """TRL 1.16's factory: the reward of ``(completions, solution, completion_ids)``."""
+    return CosineScaled(max_len, min_value_wrong, max_value_wrong, min_value_correct, max_value_correct, latex_only=True)
+
+
+def make_trl_cosine_scaled(params: CosineScaled) -> CosineScaled:
+    return make_cosine_scaled(attrs.evolve(params, latex_only=True))
+
+
 @hookimpl
 def register_rewards(register):
     register("reward.cosine_scaled", make_cosine_scaled, params=CosineScaled)
+    register("reward.get_cosine_scaled_reward", make_trl_cosine_scaled, params=CosineScaled,
+             doc="TRL 1.16's get_cosine_scaled_reward(max_len, ...): reward.cosine_scaled with latex_only=True.")

@@ -10,6 +10,9 @@ C = ``cache``:
 
 so a completion is nudged to finish before the hard limit instead of being cut off there.
 Typically L is the generation limit (max_completion_length) and C a fifth of it.
+
+``get_soft_overlong_punishment(max_completion_len, soft_punish_cache)`` is TRL 1.16's factory
+for the same reward, also registered under that name with TRL's parameter names.
 """
 
 from __future__ import annotations
@@ -24,9 +27,15 @@ def _positive_int(instance, attribute, value) -> None:
         raise ValueError(f"{attribute.name}={value!r} must be a whole number of tokens > 0")
 
 
-def _cache(instance, attribute, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= instance.max_len:
-        raise ValueError(f"{attribute.name}={value!r} must be a whole number of tokens in [0, max_len={instance.max_len}]")
+def _cache_within(limit: str):
+    """Validator: a whole number of tokens in [0, the value of field ``limit``]."""
+
+    def check(instance, attribute, value) -> None:
+        top = getattr(instance, limit)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
+            raise ValueError(f"{attribute.name}={value!r} must be a whole number of tokens in [0, {limit}={top}]")
+
+    return check
 
 
 @attrs.frozen
@@ -34,7 +43,8 @@ class SoftOverlong:
     """Parameters of ``reward.soft_overlong`` and the (picklable) reward function itself."""
 
     max_len: int = attrs.field(validator=_positive_int)
-    cache: int = attrs.field(validator=_cache)
+    cache: int = attrs.field(validator=_cache_within("max_len"))
+    __name__ = "soft_overlong_punishment_reward"  # what TRL 1.16 logs a callable instance under
 
     def score(self, length: int) -> float:
         if length <= self.max_len - self.cache:
@@ -51,6 +61,27 @@ def make_soft_overlong(params: SoftOverlong) -> SoftOverlong:
     return params
 
 
+@attrs.frozen
+class SoftOverlongPunishment:
+    """TRL 1.16's names for the parameters of ``reward.get_soft_overlong_punishment``; the defaults
+    are the values TRL's ``trl grpo --reward_funcs get_soft_overlong_punishment`` uses."""
+
+    max_completion_len: int = attrs.field(default=1280, validator=_positive_int)
+    soft_punish_cache: int = attrs.field(default=256, validator=_cache_within("max_completion_len"))
+
+
+def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int) -> SoftOverlong:
+    """TRL 1.16's factory: the reward function of ``completion_ids`` for L = ``max_completion_len``,
+    C = ``soft_punish_cache``."""
+    return SoftOverlong(max_len=max_completion_len, cache=soft_punish_cache)
+
+
+def make_trl_soft_overlong(params: SoftOverlongPunishment) -> SoftOverlong:
+    return get_soft_overlong_punishment(params.max_completion_len, params.soft_punish_cache)
+
+
 @hookimpl
 def register_rewards(register):
     register("reward.soft_overlong", make_soft_overlong, params=SoftOverlong)
+    register("reward.get_soft_overlong_punishment", make_trl_soft_overlong, params=SoftOverlongPunishment,
+             doc="TRL 1.16's get_soft_overlong_punishment(max_completion_len, soft_punish_cache): reward.soft_overlong.")
