@@ -23,6 +23,13 @@ __all__ = ["Method", "PlaitError", "PluginLoadError", "__version__", "default_pl
 
 SCRIPT_ARGS = ("ModelConfig", "ScriptArguments", "DatasetConfig", "DatasetMixtureConfig", "PlaitParser", "TrlParser",
                "get_peft_config", "get_quantization_config", "get_kbit_device_map", "get_dataset")
+# TRL's data utilities and collators (plait.data_utils) and callbacks (plait.callbacks), by TRL's names
+DATA_UTILS = ("apply_chat_template", "maybe_apply_chat_template", "extract_prompt", "maybe_extract_prompt",
+              "unpair_preference_dataset", "maybe_unpair_preference_dataset", "is_conversational", "pack_dataset",
+              "truncate_dataset", "clone_chat_template", "DataCollatorForLanguageModeling",
+              "DataCollatorForPreference", "DataCollatorForUnpairedPreference")
+CALLBACKS = ("LogCompletionsCallback", "SyncRefModelCallback", "RichProgressCallback", "BEMACallback",
+             "MergeConfig", "MergeModelCallback")
 
 
 def __getattr__(name: str):
@@ -30,6 +37,10 @@ def __getattr__(name: str):
         from . import script_args
 
         return getattr(script_args, name)
+    if name in DATA_UTILS or name in CALLBACKS:  # imported on first use, as the script helpers
+        from importlib import import_module
+
+        return getattr(import_module(".data_utils" if name in DATA_UTILS else ".callbacks", __name__), name)
     # DPOConfig, DPOTrainer, ... come from whichever plugin registered the method.
     if name[:1].isupper():
         for component in default_plugins().methods:

@@ -145,3 +145,199 @@ def test_trl_factory_names_check_trls_parameter_names():
         resolve_reward_funcs([{"name": "get_soft_overlong_punishment", "max_completion_len": 100, "soft_punish_cache": 200}])
     with pytest.raises(PlaitError, match=r"unknown parameter 'ngram' \(did you mean 'ngram_size'\?\)"):
         resolve_reward_funcs([{"name": "get_repetition_penalty_reward", "ngram": 2}])
+
+
+# ---------------------------------------------------------------------------------------------
+# Data utilities and collators: trl -> plait
+# ---------------------------------------------------------------------------------------------
+
+# inspect.signature(...).parameters of TRL 1.16's functions (truncate_dataset: trl.experimental.utils;
+# the collators: trl.trainer.sft_trainer / dpo_trainer / kto_trainer)
+TRL_DATA_PARAMETERS = {
+    "apply_chat_template": ["example", "processing_class", "tools", "template_kwargs"],
+    "maybe_apply_chat_template": ["example", "processing_class", "tools", "template_kwargs"],
+    "extract_prompt": ["example"],
+    "maybe_extract_prompt": ["example"],
+    "unpair_preference_dataset": ["dataset", "map_kwargs"],
+    "maybe_unpair_preference_dataset": ["dataset", "num_proc", "desc"],
+    "is_conversational": ["example"],
+    "pack_dataset": ["dataset", "seq_length", "strategy", "map_kwargs"],
+    "truncate_dataset": ["dataset", "max_length", "map_kwargs"],
+    "clone_chat_template": ["model", "tokenizer", "source_tokenizer_path", "resize_to_multiple_of"],
+    "DataCollatorForLanguageModeling": ["pad_token_id", "padding_free", "return_position_ids", "pad_to_multiple_of",
+                                        "return_tensors"],
+    "DataCollatorForPreference": ["pad_token_id", "max_length", "truncation_mode", "pad_to_multiple_of", "return_tensors"],
+    "DataCollatorForUnpairedPreference": ["pad_token_id", "max_length", "pad_to_multiple_of", "return_tensors"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRL_DATA_PARAMETERS))
+def test_every_trl_data_utility_is_importable_from_plait_with_trls_parameters(name):
+    import plait
+
+    assert parameter_names(getattr(plait, name)) == TRL_DATA_PARAMETERS[name]
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+CHAT_EXAMPLES = {
+    "language_modeling": {"messages": [user("What color is the sky?"), message("Blue.")[0]]},
+    "prompt_only": {"prompt": [user("What color is the sky?")]},
+    "prompt_continued": {"prompt": [user("Hi"), message("The sky is")[0]]},
+    "prompt_completion": {"prompt": [user("What color is the sky?")], "completion": message("It is blue.")},
+    "preference": {"prompt": [user("Sky?")], "chosen": message("Blue."), "rejected": message("Green.")},
+    "implicit_preference": {"chosen": [user("Sky?"), message("Blue.")[0]], "rejected": [user("Sky?"), message("Green.")[0]]},
+    "unpaired": {"prompt": [user("Sky?")], "completion": message("Blue."), "label": True},
+}
+# trl.apply_chat_template(example, tokenizer) in TRL 1.16 with the tiny model's tokenizer (the same template)
+TRL_RENDERED = {
+    "language_modeling": {"text": "<|im_start|>user\nWhat color is the sky?<|im_end|>\n<|im_start|>assistant\nBlue.<|im_end|>\n"},
+    "prompt_only": {"prompt": "<|im_start|>user\nWhat color is the sky?<|im_end|>\n<|im_start|>assistant\n"},
+    "prompt_continued": {"prompt": "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nThe sky is"},
+    "prompt_completion": {"prompt": "<|im_start|>user\nWhat color is the sky?<|im_end|>\n<|im_start|>assistant\n",
+                          "completion": "It is blue.<|im_end|>\n"},
+    "preference": {"prompt": "<|im_start|>user\nSky?<|im_end|>\n<|im_start|>assistant\n", "chosen": "Blue.<|im_end|>\n",
+                   "rejected": "Green.<|im_end|>\n"},
+    "implicit_preference": {"chosen": "<|im_start|>user\nSky?<|im_end|>\n<|im_start|>assistant\nBlue.<|im_end|>\n",
+                            "rejected": "<|im_start|>user\nSky?<|im_end|>\n<|im_start|>assistant\nGreen.<|im_end|>\n"},
+    "unpaired": {"prompt": "<|im_start|>user\nSky?<|im_end|>\n<|im_start|>assistant\n", "completion": "Blue.<|im_end|>\n",
+                 "label": True},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.mark.parametrize("shape", sorted(CHAT_EXAMPLES))
+def test_apply_chat_template_renders_as_trl(shape, tiny_tokenizer):
+    from plait import apply_chat_template, is_conversational, maybe_apply_chat_template
+
+    assert is_conversational(CHAT_EXAMPLES[shape])
+    assert apply_chat_template(CHAT_EXAMPLES[shape], tiny_tokenizer) == TRL_RENDERED[shape]
+    assert maybe_apply_chat_template(CHAT_EXAMPLES[shape], tiny_tokenizer) == TRL_RENDERED[shape]
+
+
+def test_standard_examples_pass_through_and_bad_shapes_are_named(tiny_tokenizer):
+    from plait import PlaitError, apply_chat_template, is_conversational, maybe_apply_chat_template
+
+    standard = {"prompt": "The sky is", "completion": " blue."}
+    assert not is_conversational(standard)
+    assert maybe_apply_chat_template(standard, tiny_tokenizer) == standard
+    with pytest.raises(PlaitError, match=r"example keys \['chosen', 'completion'\] are not a known shape"):
+        apply_chat_template({"chosen": [user("a")], "completion": [user("b")]}, tiny_tokenizer)
+
+
+def test_extract_prompt_as_trl_and_where_plait_cuts_at_a_word():
+    from plait import extract_prompt, maybe_extract_prompt
+
+    # TRL 1.16's outputs for the same examples
+    assert extract_prompt(CHAT_EXAMPLES["implicit_preference"]) == {
+        "prompt": [user("Sky?")], "chosen": message("Blue."), "rejected": message("Green.")}
+    pair = {"chosen": "The sky is blue.", "rejected": "The sky is green."}
+    assert extract_prompt(pair) == maybe_extract_prompt(pair) == {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
+    explicit = {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
+    assert maybe_extract_prompt(explicit) == explicit
+    mixed = {"chosen": "Sky is blue.", "rejected": "Sky is green.", "prompt": [user("x")]}
+    assert maybe_extract_prompt(mixed) == {"prompt": "Sky is", "chosen": " blue.", "rejected": " green."}
+    # TRL 1.16 cuts inside the word: {'prompt': 'The sky is bl', 'chosen': 'ue.', 'rejected': 'eak.'}
+    assert extract_prompt({"chosen": "The sky is blue.", "rejected": "The sky is bleak."}) == {
+        "prompt": "The sky is", "chosen": " blue.", "rejected": " bleak."}
+
+
+def test_unpair_preference_dataset_as_trl():
+    from datasets import Dataset
+
+    from plait import maybe_unpair_preference_dataset, unpair_preference_dataset
+
+    paired = Dataset.from_dict({"prompt": ["p1", "p2"], "chosen": ["c1", "c2"], "rejected": ["r1", "r2"]})
+    # TRL 1.16: a batch's chosen rows, then its rejected rows
+    expected = {"prompt": ["p1", "p2", "p1", "p2"], "completion": ["c1", "c2", "r1", "r2"], "label": [True, True, False, False]}
+    assert unpair_preference_dataset(paired).to_dict() == expected
+    assert maybe_unpair_preference_dataset(paired).to_dict() == expected
+    unpaired = Dataset.from_dict({"prompt": ["p1"], "completion": ["c1"], "label": [True]})
+    assert maybe_unpair_preference_dataset(unpaired) is unpaired
+
+
+def test_pack_and_truncate_dataset_as_trl():
+    from datasets import Dataset
+
+    from plait import PlaitError, pack_dataset, truncate_dataset
+
+    data = Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10]],
+                              "attention_mask": [[1, 1, 1], [1, 1, 1, 1], [1, 1], [1]]})
+    # trl.pack_dataset / trl.experimental.utils.truncate_dataset in TRL 1.16 on the same dataset
+    assert pack_dataset(data, 5).to_dict() == {
+        "input_ids": [[4, 5, 6, 7, 10], [1, 2, 3, 8, 9]], "attention_mask": [[1] * 5, [1] * 5], "seq_lengths": [[4, 1], [3, 2]]}
+    assert pack_dataset(data, 5, strategy="wrapped").to_dict() == {
+        "input_ids": [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], "attention_mask": [[1] * 5, [1] * 5]}
+    assert pack_dataset(data, 3, strategy="bfd").to_dict() == {
+        "input_ids": [[1, 2, 3], [4, 5, 6], [8, 9, 10]], "attention_mask": [[1] * 3] * 3, "seq_lengths": [[3], [3], [2, 1]]}
+    assert truncate_dataset(data, 2).to_dict() == {
+        "input_ids": [[1, 2], [4, 5], [8, 9], [10]], "attention_mask": [[1, 1], [1, 1], [1, 1], [1]]}
+    with pytest.raises(PlaitError, match=r"pack_dataset: columns \['text'\] are not token sequences"):
+        pack_dataset(data.add_column("text", ["a", "b", "c", "d"]), 5)
+
+
+def test_clone_chat_template_as_trl(tiny_model_path, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from plait import clone_chat_template
+    from plait.testing.tiny_model import tiny_model_path as build
+
+    source = AutoTokenizer.from_pretrained(build(generation_markers=False))  # another template, same vocabulary
+    source.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})
+    source.eos_token = "<|endoftext|>"
+    source.save_pretrained(tmp_path)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model_path), AutoTokenizer.from_pretrained(tiny_model_path)
+    model, tokenizer, added = clone_chat_template(model, tokenizer, str(tmp_path))
+    # TRL 1.16 on the same model and source: vocabulary 1000 + <|tool|> rounded up to 1024 with 23 fillers
+    assert (len(tokenizer), model.get_input_embeddings().weight.shape[0], len(added)) == (1024, 1024, 24)
+    assert tokenizer.chat_template == source.chat_template
+    assert (tokenizer.eos_token, tokenizer.eos_token_id, model.config.eos_token_id, model.generation_config.eos_token_id) == (
+        "<|endoftext|>", 2, 2, 2)
+    assert tokenizer.convert_tokens_to_ids("<|tool|>") == 1000
+
+
+def test_collators_give_trls_batches():
+    from plait import DataCollatorForLanguageModeling, DataCollatorForPreference, DataCollatorForUnpairedPreference
+
+    def as_lists(batch, keys):
+        return {k: batch[k].tolist() for k in keys}
+
+    # TRL 1.16's collators (trl.trainer.*_trainer) on the same rows; plait adds completion_mask (and KTO's kl_* pairs)
+    lm = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]
+    assert as_lists(DataCollatorForLanguageModeling(0, pad_to_multiple_of=4)(lm), ["input_ids", "labels", "attention_mask"]) == {
+        "input_ids": [[1, 2, 3, 0], [4, 5, 0, 0]], "labels": [[1, 2, 3, -100], [4, 5, -100, -100]],
+        "attention_mask": [[1, 1, 1, 0], [1, 1, 0, 0]]}
+    assert as_lists(DataCollatorForLanguageModeling(0, padding_free=True)(lm), ["input_ids", "labels", "position_ids"]) == {
+        "input_ids": [[1, 2, 3, 4, 5]], "labels": [[-100, 2, 3, -100, 5]], "position_ids": [[0, 1, 2, 0, 1]]}
+    assert DataCollatorForLanguageModeling(0, return_position_ids=True)(lm)["position_ids"].tolist() == [[0, 1, 2], [0, 1, 0]]
+
+    pairs = [{"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4, 5]},
+             {"prompt_ids": [6], "chosen_ids": [7, 8], "rejected_ids": [9]}]
+    keys = ["input_ids", "attention_mask", "completion_mask"]
+    assert as_lists(DataCollatorForPreference(0, max_length=3)(pairs), keys) == {
+        "input_ids": [[1, 2, 3], [6, 7, 8], [1, 2, 4], [6, 9, 0]],
+        "attention_mask": [[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0]],
+        "completion_mask": [[0, 0, 1], [0, 1, 1], [0, 0, 1], [0, 1, 0]]}
+    assert as_lists(DataCollatorForPreference(0, max_length=3, truncation_mode="keep_end")(pairs), keys) == {
+        "input_ids": [[1, 2, 3], [6, 7, 8], [2, 4, 5], [6, 9, 0]],
+        "attention_mask": [[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0]],
+        "completion_mask": [[0, 0, 1], [0, 1, 1], [0, 1, 1], [0, 1, 0]]}
+    # rows without a prompt: TRL's reward-model collator (trl.trainer.reward_trainer.DataCollatorForPreference)
+    scored = DataCollatorForPreference(0)([{"chosen_ids": [1, 2], "rejected_ids": [3], "margin": 1.0},
+                                           {"chosen_ids": [4], "rejected_ids": [5, 6, 7], "margin": 0.5}])
+    assert as_lists(scored, ["input_ids", "attention_mask", "margin"]) == {
+        "input_ids": [[1, 2, 0], [4, 0, 0], [3, 0, 0], [5, 6, 7]],
+        "attention_mask": [[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 1, 1]], "margin": [1.0, 0.5]}
+    unpaired = [{"prompt_ids": [1, 2], "completion_ids": [3], "label": True},
+                {"prompt_ids": [6], "completion_ids": [7, 8], "label": False}]
+    assert as_lists(DataCollatorForUnpairedPreference(0, max_length=2)(unpaired), [*keys, "label"]) == {
+        "input_ids": [[1, 2], [6, 7]], "attention_mask": [[1, 1], [1, 1]], "completion_mask": [[0, 0], [0, 1]],
+        "label": [True, False]}
