@@ -341,3 +341,119 @@ def test_collators_give_trls_batches():
     assert as_lists(DataCollatorForUnpairedPreference(0, max_length=2)(unpaired), [*keys, "label"]) == {
         "input_ids": [[1, 2], [6, 7]], "attention_mask": [[1, 1], [1, 1]], "completion_mask": [[0, 0], [0, 1]],
         "label": [True, False]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Callbacks: trl -> plait
+# ---------------------------------------------------------------------------------------------
+
+# inspect.signature(...).parameters of TRL 1.16's callbacks (MergeModelCallback: trl.experimental.merge_model_callback)
+TRL_CALLBACK_PARAMETERS = {
+    "LogCompletionsCallback": ["trainer", "generation_config", "num_prompts", "freq"],
+    "SyncRefModelCallback": ["ref_model", "accelerator"],
+    "RichProgressCallback": [],
+    "BEMACallback": ["update_freq", "ema_power", "bias_power", "lag", "update_after", "multiplier", "min_ema_multiplier",
+                     "device"],
+    "MergeModelCallback": ["merge_config", "merge_at_every_checkpoint", "push_to_hub"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRL_CALLBACK_PARAMETERS))
+def test_every_trl_callback_is_importable_from_plait_with_trls_parameters(name):
+    import plait
+
+    assert parameter_names(getattr(plait, name)) == TRL_CALLBACK_PARAMETERS[name]
+
+
+FACTS = [{"prompt": "The secret code is", "completion": " seven blue horses."},
+         {"prompt": "The sky is", "completion": " blue."}]
+
+
+def test_sft_run_logs_completions_tracks_bema_and_merges(tiny_model_path, tmp_path, capsys):
+    import torch
+    from datasets import Dataset
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    from plait import BEMACallback, LogCompletionsCallback, MergeModelCallback, RichProgressCallback, SFTConfig, SFTTrainer
+
+    class Weights(TrainerCallback):  # the weights BEMA sees at each step end (it runs just before)
+        seen = []
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.seen.append(model.get_input_embeddings().weight.detach().clone())
+
+    data = Dataset.from_list(FACTS * 2)
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=4, learning_rate=1e-2,
+                     logging_steps=2, save_strategy="no", report_to="none", seed=0, max_length=32)
+    trainer = SFTTrainer(str(tiny_model_path), args=args, train_dataset=data, eval_dataset=Dataset.from_list(FACTS))
+    initial = trainer.model.get_input_embeddings().weight.detach().clone()
+    completions = LogCompletionsCallback(trainer, generation_config=None, num_prompts=2)
+    bema = BEMACallback(update_freq=1, lag=2, ema_power=0.5, bias_power=0.2)
+    for callback in (completions, RichProgressCallback(), bema, Weights(), MergeModelCallback()):
+        trainer.add_callback(callback)
+    trainer.train()
+
+    # two prompts at each logging step (2 and 4), their text decoded from the tokenised eval rows
+    assert [row[0] for row in completions.table] == ["2", "2", "4", "4"]
+    assert {row[1] for row in completions.table} == {"The secret code is", "The sky is"}
+    assert all(isinstance(row[2], str) and row[2] for row in completions.table)
+    printed = capsys.readouterr().out
+    assert "step | prompt" in printed and "The sky is" in printed and "Training" in printed
+
+    # BEMA by hand: θ0 = EMA_0 = initial weights; at t = 1..4, β = (2 + t)^-0.5, α = (2 + t)^-0.2
+    ema = initial.clone()
+    for t, theta in enumerate(Weights.seen, start=1):
+        beta, alpha = (2 + t) ** -0.5, (2 + t) ** -0.2
+        ema = (1 - beta) * ema + beta * theta
+    expected = ema + alpha * (Weights.seen[-1] - initial)
+    assert torch.allclose(bema.running_model.get_input_embeddings().weight, expected, atol=1e-6)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "bema").get_input_embeddings().weight
+    assert torch.allclose(saved, expected, atol=1e-6)
+
+    # the merge: half the trained policy, half the model it started from, in float16
+    merged = load_file(tmp_path / "checkpoint-4" / "merged" / "model.safetensors")
+    embedding = next(v for k, v in merged.items() if k.endswith("embed_tokens.weight"))
+    assert embedding.dtype == torch.float16
+    assert torch.allclose(embedding.float(), 0.5 * Weights.seen[-1] + 0.5 * initial, atol=2e-3)
+    assert not torch.allclose(Weights.seen[-1], initial, atol=1e-3)  # it did train
+
+
+def test_sync_ref_model_callback_mixes_the_policy_into_the_reference(tiny_model_path):
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from plait import SyncRefModelCallback
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    with torch.no_grad():
+        policy.get_input_embeddings().weight.add_(1.0)
+    before = reference.get_input_embeddings().weight.detach().clone()
+    callback = SyncRefModelCallback(reference, accelerator=None)
+    args = SimpleNamespace(ref_model_sync_steps=2, ref_model_mixup_alpha=0.25)
+    callback.on_step_end(args, SimpleNamespace(global_step=1), None, model=policy)
+    assert torch.equal(reference.get_input_embeddings().weight, before)  # not a sync step
+    callback.on_step_end(args, SimpleNamespace(global_step=2), None, model=policy)
+    # TR-DPO: 0.25·(θ_ref + 1) + 0.75·θ_ref = θ_ref + 0.25
+    assert torch.allclose(reference.get_input_embeddings().weight, before + 0.25, atol=1e-6)
+
+
+def test_rich_progress_without_rich_names_the_package(monkeypatch):
+    import sys
+
+    from plait import PlaitError, RichProgressCallback
+
+    monkeypatch.setitem(sys.modules, "rich", None)
+    with pytest.raises(PlaitError, match=r"needs the 'rich' package.*pip install rich"):
+        RichProgressCallback()
+
+
+def test_merge_config_refuses_the_mergekit_methods():
+    from plait import MergeConfig, PlaitError
+
+    assert (MergeConfig().policy_model_weight, MergeConfig().target_model_weight, MergeConfig().dtype) == (0.5, 0.5, "float16")
+    with pytest.raises(PlaitError, match=r"method='ties' is a mergekit merge.*use method='linear'"):
+        MergeConfig("ties")
