@@ -457,3 +457,28 @@ def test_merge_config_refuses_the_mergekit_methods():
     assert (MergeConfig().policy_model_weight, MergeConfig().target_model_weight, MergeConfig().dtype) == (0.5, 0.5, "float16")
     with pytest.raises(PlaitError, match=r"method='ties' is a mergekit merge.*use method='linear'"):
         MergeConfig("ties")
+
+
+def test_grpo_recipe_with_trls_reward_name_trains(tiny_model_path, tmp_path):
+    import json
+
+    import yaml
+
+    from plait.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Think, then say yes.", "Think about the sky."]))
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "method": "grpo", "model": str(tiny_model_path),
+        "dataset": {"path": "json", "data_files": str(prompts)},
+        "reward_funcs": ["think_format_reward"],  # TRL's name, as in `trl grpo --reward_funcs think_format_reward`
+        "training": {"output_dir": str(tmp_path / "out"), "num_generations": 2, "per_device_train_batch_size": 4,
+                     "max_completion_length": 8, "beta": 0.0, "max_steps": 2, "logging_steps": 1,
+                     "save_strategy": "steps", "save_steps": 2, "report_to": "none", "seed": 0},
+    }))
+    assert main(["grpo", "--config", str(recipe)]) == 0
+    state = json.loads((tmp_path / "out" / "checkpoint-2" / "trainer_state.json").read_text())
+    logged = [entry for entry in state["log_history"] if "rewards/think_format_reward/mean" in entry]
+    assert len(logged) == 2  # the tiny model never writes <think>…</think>: TRL's rule scores 0
+    assert all(entry["rewards/think_format_reward/mean"] == 0.0 for entry in logged)
