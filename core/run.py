@@ -10,6 +10,13 @@ before ``--num_processes N`` starts N copies of the same command (see :mod:`plai
 Paths inside a recipe are relative to the recipe file (``data_files: ../data/prefs.jsonl``);
 paths on the command line are relative to the working directory; ``~`` is expanded in model
 paths.
+
+TRL's commands run unchanged: its script flags (``--model_name_or_path``, ``--dataset_name``,
+``--use_peft --lora_r 8``, ``--dtype`` ... see :mod:`plait.script_args`) are accepted next to
+plait's, and a TRL recipe, every key at the top level (``datasets:`` mixtures, ``env:``,
+``accelerate_config:`` included), is read as well as plait's sectioned one. Its paths, as in TRL,
+are relative to the working directory. :func:`trl_sections` is the one place TRL's keys become
+a recipe's sections.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import dataclasses
 import difflib
 import logging
 import os
+import types
+import typing
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -30,7 +39,10 @@ from .config import (PluginsSpec, RunConfig, build_method_config, check_value, c
 from . import preflight
 from .errors import PlaitError
 from .manager import Plugins, make_plugins
+from .models import remote_code
 from .registry import UnknownComponentError
+from .launch import presets
+from .script_args import set_env
 
 logger = logging.getLogger("plait")
 
@@ -38,10 +50,88 @@ logger = logging.getLogger("plait")
 DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
                       ".arrow": "arrow"}
 LAUNCH_FLAGS = ("num_processes", "accelerate_config")
+# top-level keys only plait's sectioned recipe has; a TRL recipe has its settings at the top
+SECTIONED = ("method", "model", "dataset", "eval_dataset", "training", "ref_model", "peft", "loss", "plugins",
+             "test_split_size")
 
 
 def _recipe_fields() -> dict[str, attrs.Attribute]:
     return {a.name: a for a in attrs.fields(attrs.resolve_types(RunConfig))}
+
+
+def trl_fields() -> dict[str, Any]:
+    """TRL's script keys (ScriptArguments, ModelConfig, DatasetMixtureConfig, and GRPO/RLOO's
+    reward_model_name_or_path) with their types."""
+    from . import script_args
+
+    hints: dict[str, Any] = {"reward_model_name_or_path": str | None}
+    for cls in (script_args.ScriptArguments, script_args.ModelConfig, script_args.DatasetMixtureConfig):
+        hints.update(typing.get_type_hints(cls))
+    return hints
+
+
+def trl_sections(given: Mapping[str, Any], data: dict, training: Mapping[str, Any]) -> dict:
+    """TRL's script keys (``given``: only those the user set) into the recipe ``data``'s sections.
+
+    model_name_or_path → model; dataset_name/_config/_train_split/_streaming → dataset (a file or
+    folder is a local dataset); dataset_test_split → eval_dataset when ``training`` evaluates;
+    datasets/streaming/test_split_size → a dataset mixture; model_revision/dtype/attn_implementation
+    and load_in_4bit/8bit → model_init_kwargs; use_peft and lora_* → peft (LoRA fields over TRL's
+    defaults over the recipe's own peft section); reward_model_name_or_path → one more reward_funcs.
+    As in TRL, lora_* without use_peft (and without a peft section) change nothing.
+    """
+    from .script_args import (INIT_FIELDS, LORA_FIELDS, QUANTIZATION_FIELDS, DatasetMixtureConfig, ModelConfig,
+                              ScriptArguments, quantization_kwargs)
+
+    def of(cls) -> dict:
+        return {k: v for k, v in given.items() if k in {f.name for f in dataclasses.fields(cls)}}
+
+    try:
+        model, script, mixture = ModelConfig(**of(ModelConfig)), ScriptArguments(**of(ScriptArguments)), \
+            DatasetMixtureConfig(**of(DatasetMixtureConfig))
+    except TypeError as err:  # a datasets: entry with a key DatasetConfig has not
+        raise PlaitError(f"datasets: {err}; each entry takes path, name, data_dir, data_files, split, columns, "
+                         "fraction") from err
+    if "model_name_or_path" in given:
+        data["model"] = _model(model.model_name_or_path, None)
+    init = {INIT_FIELDS[k]: given[k] for k in INIT_FIELDS if k in given}
+    if any(given.get(k) for k in QUANTIZATION_FIELDS) and quantization_kwargs(model):
+        init["quantization_config"] = {"quant_method": "bitsandbytes", **quantization_kwargs(model)}
+    if init:
+        data["model_init_kwargs"] = {**(data.get("model_init_kwargs") or {}), **init}
+    lora = {LORA_FIELDS[k]: getattr(model, k) for k in LORA_FIELDS if k in given}
+    if model.use_peft:
+        data["peft"] = {**model.lora_kwargs(), **(data.get("peft") or {}), **lora}
+    elif "use_peft" in given:
+        data.pop("peft", None)
+    elif lora and data.get("peft") is not None:
+        data["peft"] = {**data["peft"], **lora}
+    elif lora:
+        logger.warning("plait: %s set without use_peft: no LoRA adapters are trained (as in TRL); add --use_peft",
+                       ", ".join(k for k in LORA_FIELDS if k in given))
+    if mixture.datasets:
+        data["dataset"] = [_dataset({**dataclasses.asdict(d), "streaming": mixture.streaming}, None)
+                           for d in mixture.datasets]
+    elif "dataset_name" in given:
+        spec = _dataset(script.dataset_name, None)
+        spec.update(split=script.dataset_train_split, streaming=script.dataset_streaming)
+        if script.dataset_config is not None:
+            spec["name"] = script.dataset_config
+        data["dataset"] = spec
+    elif isinstance(data.get("dataset"), Mapping):  # the recipe's dataset, with TRL's split flags
+        data["dataset"] = {**data["dataset"], **{field: given[key] for key, field in
+                                                 (("dataset_config", "name"), ("dataset_train_split", "split"),
+                                                  ("dataset_streaming", "streaming")) if key in given}}
+    if mixture.test_split_size is not None:
+        data["test_split_size"] = mixture.test_split_size
+    evaluates = training.get("eval_strategy", "no") not in ("no", None, False)
+    if evaluates and isinstance(data.get("dataset"), Mapping) and data.get("test_split_size") is None \
+            and data.get("eval_dataset") is None and ("dataset_name" in given or "dataset_test_split" in given):
+        data["eval_dataset"] = {**data["dataset"], "split": script.dataset_test_split}
+    if given.get("reward_model_name_or_path"):
+        funcs = data.get("reward_funcs") or []  # TRL puts the reward model first
+        data["reward_funcs"] = [given["reward_model_name_or_path"], *(funcs if isinstance(funcs, list) else [funcs])]
+    return data
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,6 +191,7 @@ def override_values(raw: Mapping[str, list[str]], config_cls: type, command: str
     """Type each flag by the field it names; an unknown field is an error listing close matches."""
     top = _recipe_fields()
     training = config_fields(config_cls)
+    trl = trl_fields()
     values: dict[str, Any] = {}
     for key, tokens in raw.items():
         head = key.split(".", 1)[0]
@@ -114,8 +205,15 @@ def override_values(raw: Mapping[str, list[str]], config_cls: type, command: str
             value = values[key] = _typed(tokens, training[head].type if key == head else None)
             if key == head:
                 check_value(f"--{key}", training[head].type, value)
+        elif key in trl:
+            value = _typed(tokens, trl[key])
+            if typing.get_origin(trl[key]) in (typing.Union, types.UnionType) and list in map(typing.get_origin, typing.get_args(trl[key])) \
+                    and isinstance(value, str):
+                value = [value]  # --lora_target_modules all-linear: a list of one, as argparse's nargs="+" gives
+            check_value(f"--{key}", trl[key], value)
+            values[key] = value
         else:
-            known = [f for f in [*top, *training] if f not in ("method", "training")]
+            known = [f for f in [*top, *training, *trl] if f not in ("method", "training")]
             match = difflib.get_close_matches(head, known, n=3, cutoff=0.6)
             hint = (f"did you mean {' or '.join('--' + m for m in match)}?" if match
                     else f"'{command} --help' lists the fields")
@@ -152,6 +250,9 @@ def _dataset(value: Any, base: Path | None) -> Any:
         value = {"path": builder, "data_files": value} if builder else {"path": value}
         if builder is None and base is not None and value["path"].startswith((".", "/")):
             value["path"] = _local(value["path"], base)
+    elif isinstance(value, Mapping) and value.get("data_files") is None and isinstance(value.get("path"), str) \
+            and Path(value["path"]).suffix.lower() in DATA_FILE_BUILDERS:  # {path: prefs.jsonl}, as TRL's mixtures write it
+        value = {**value, "path": DATA_FILE_BUILDERS[Path(value["path"]).suffix.lower()], "data_files": value["path"]}
     if isinstance(value, Mapping) and base is not None:
         value = dict(value)
         files = value.get("data_files")
@@ -176,7 +277,9 @@ def _model(value: Any, base: Path | None) -> Any:
 
 def _normalise(data: dict, base: Path | None) -> dict:
     for key in ("dataset", "eval_dataset"):
-        if data.get(key) is not None:
+        if isinstance(data.get(key), list):  # a mixture
+            data[key] = [_dataset(item, base) for item in data[key]]
+        elif data.get(key) is not None:
             data[key] = _dataset(data[key], base)
     for key in ("model", "ref_model"):
         if key in data:
@@ -193,37 +296,79 @@ def _set(section: Any, dotted: str, value: Any, path: str) -> dict:
     return section
 
 
+def _read_data(path: Path, source: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """A recipe file's data in plait's sectioned shape, TRL's script keys for :func:`trl_sections`,
+    and the launch settings (accelerate_config, num_processes, env) either shape may give at the top level."""
+    data = _read_recipe(path)
+    if not isinstance(data, Mapping):
+        return data, {}, {}
+    data = dict(data)
+    launch = {key: data.pop(key) for key in (*LAUNCH_FLAGS, "env") if key in data}
+    trl = trl_fields()
+    sectioned = [key for key in data if key in SECTIONED]
+    flat = [key for key in data if key not in _recipe_fields() and (key in trl or key in _training_fields())]
+    if sectioned and flat:
+        raise PlaitError(f"{source} mixes plait's sections ({', '.join(sectioned)}) with TRL's top-level keys "
+                         f"({', '.join(flat[:4])}); write one shape: {flat[0]} under training: (or model:/dataset:/peft:), "
+                         f"or TRL's flat keys without {sectioned[0]}:")
+    if sectioned or not data:
+        return _normalise(data, path.parent), {}, launch
+    # TRL's shape: paths are relative to the working directory, as TRL reads them
+    given = {key: data.pop(key) for key in list(data) if key in trl and key not in _recipe_fields()}
+    shared = {key: data.pop(key) for key in list(data) if key in _recipe_fields()}
+    return _normalise({**shared, "training": data}, None), given, launch
+
+
+def _training_fields() -> set[str]:
+    return set(config_fields(_training_arguments()))
+
+
+def launch_settings(path: str | Path | None) -> dict[str, Any]:
+    """A recipe's accelerate_config, num_processes and env (plait's or TRL's shape)."""
+    if path is None:
+        return {}
+    settings = _read_data(Path(path), Path(path).name)[2]
+    for key, kind in (("num_processes", int | None), ("accelerate_config", str | None)):
+        check_value(f"{Path(path).name}: {key}", kind, settings.get(key))
+    return settings
+
+
 def load_recipe(path: str | Path | None = None, overrides: Mapping[str, Any] = {}, *, method: str | None = None,
                 source: str | None = None) -> RunConfig:
-    """Read a recipe and apply ``overrides``: top-level fields by name (``model``, ``dataset``,
-    ``reward_funcs``, dotted ``peft.r``), every other key into ``training``.
+    """Read a recipe (plait's sectioned shape or TRL's flat one) and apply ``overrides``: top-level
+    fields by name (``model``, ``dataset``, ``reward_funcs``, dotted ``peft.r``), TRL's script
+    keys (``model_name_or_path``, ``use_peft``, ``lora_r`` ...) through :func:`trl_sections`, every
+    other key into ``training``.
 
     ``method`` (the command's) fills in a recipe that names none and must match one that does.
     With no ``path`` the recipe is built from the overrides alone.
     """
     if path is not None:
         path = Path(path)
-        data = _read_recipe(path)
         source = source or path.name
+        data, given, _ = _read_data(path, source)
         if not isinstance(data, Mapping):
             return parse_run_config(data, source)  # the one-line "expected a mapping" error
-        data = _normalise(dict(data), path.parent)
     else:
-        data, source = {}, source or "command line"
+        data, given, source = {}, {}, source or "command line"
     if method is not None:
         data.setdefault("method", method)
         if data["method"] != method:
             raise PlaitError(f"{source}: method is {data['method']!r} but the command is 'plait {method}'; "
                              f"run 'plait {data['method']}' or change method")
-    top = _recipe_fields()
+    top, trl = _recipe_fields(), trl_fields()
     for key, value in overrides.items():
         head, _, rest = key.partition(".")
         if head in top and head not in ("training", "method"):
             data[head] = _set(data.get(head), rest, value, key) if rest else value
             if head in ("dataset", "eval_dataset", "model", "ref_model"):
                 data[head] = _normalise({head: data[head]}, None)[head]
+        elif key in trl and key not in _training_fields():
+            given[key] = value
         elif isinstance(data.get("training") or {}, Mapping):  # else parse_run_config names the bad section
             data["training"] = _set(data.get("training"), key, value, key)
+    if given:
+        data = trl_sections(given, data, data.get("training") or {})
     return parse_run_config(data, source)
 
 
@@ -275,10 +420,22 @@ def check_recipe(config: RunConfig, plugins: Plugins | None = None):
         raise PlaitError(f"ref_model: method {config.method!r} uses no reference model; remove ref_model")
     if config.peft is not None:
         _lora_config(config.peft)
-    for field in ("dataset", "eval_dataset"):
-        spec = getattr(config, field)
-        if spec is None:
-            continue
+    quantized = (config.model_init_kwargs or {}).get("quantization_config")
+    if quantized is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("bitsandbytes") is None:
+            which = "load_in_4bit" if quantized.get("load_in_4bit") else "load_in_8bit"
+            raise PlaitError(f"{which}: quantized loading needs the bitsandbytes package and a CUDA GPU; "
+                             f"pip install bitsandbytes, or remove {which}")
+    if isinstance(config.dataset, list) and not config.dataset:
+        raise PlaitError("datasets: the mixture is empty; list at least one {path: ...}")
+    if config.test_split_size is not None and config.eval_dataset is not None:
+        raise PlaitError("test_split_size: the evaluation data is already eval_dataset; remove one of them")
+    for field, spec in dataset_specs(config):
+        if spec.streaming:  # data preparation counts, checks and tokenises every row before the first step
+            raise PlaitError(f"{field}.streaming: plait prepares a dataset whole, not as a stream; remove streaming "
+                             "(--dataset_streaming), or take a slice with split: 'train[:10000]'")
         files = spec.data_files
         files = [f for v in files.values() for f in (v if isinstance(v, list) else [v])] if isinstance(files, dict) \
             else files if isinstance(files, list) else [files]
@@ -288,6 +445,13 @@ def check_recipe(config: RunConfig, plugins: Plugins | None = None):
                 raise PlaitError(f"{field}.data_files: {file!r} does not exist; fix the path (a recipe's paths are "
                                  "relative to the recipe file)")
     return args
+
+
+def dataset_specs(config: RunConfig) -> list[tuple[str, Any]]:
+    """(field, DatasetSpec) for every dataset the recipe loads: each of a mixture, and eval_dataset."""
+    mixture = config.dataset if isinstance(config.dataset, list) else [config.dataset]
+    named = [(f"dataset[{i}]" if isinstance(config.dataset, list) else "dataset", spec) for i, spec in enumerate(mixture)]
+    return named + ([("eval_dataset", config.eval_dataset)] if config.eval_dataset is not None else [])
 
 
 def _init_parameters(cls: type) -> set[str]:
@@ -317,13 +481,13 @@ def build_trainer(config: RunConfig, plugins: Plugins | None = None):
     if config.peft is not None:
         kwargs["peft_config"] = _lora_config(config.peft)
 
-    import datasets
+    from .script_args import load_mixture
 
-    def load(spec):
-        return datasets.load_dataset(spec.path, spec.name, data_files=spec.data_files, split=spec.split)
-
-    train = load(config.dataset)
-    evaluation = load(config.eval_dataset) if config.eval_dataset else None
+    mixture = config.dataset if isinstance(config.dataset, list) else [config.dataset]
+    splits = load_mixture(mixture, any(spec.streaming for spec in mixture), config.test_split_size)
+    train, evaluation = splits["train"], splits.get("test")
+    if config.eval_dataset is not None:
+        evaluation = load_mixture([config.eval_dataset], config.eval_dataset.streaming)["train"]
     return method.trainer(model=config.model, args=args, train_dataset=train, eval_dataset=evaluation, **kwargs)
 
 
@@ -376,16 +540,30 @@ def fields_help(name: str, method) -> str:
         top.append(("--reward_funcs NAME ...",
                     "reward functions: registry names, import paths pkg.module:func, or reward-model folders"))
     config_name = method.config.__name__
+    trl = [(f"--{key}", _trl_help(key)) for key in trl_fields()]
     parts = [
         "recipe fields (top level of the YAML):\n" + _rows(top),
+        "TRL's script flags (also the top-level keys of a TRL recipe, where every field is at the top level):\n"
+        + _rows(trl),
         f"{config_name} fields (the recipe's training: section; --FIELD VALUE overrides, several values make a list):\n"
         + _rows([(f"--{f}", _default(fields[f])) for f in fields if f in own]),
         "transformers.TrainingArguments fields (also in training:):\n"
         + _rows([(f"--{f}", _default(fields[f])) for f in fields if f not in own]),
         "launching: --num_processes N runs N data-parallel processes (CPU: torch.distributed with gloo);\n"
-        "--accelerate_config NAME|PATH picks a preset (cpu_ddp, multi_gpu, fsdp, zero1, zero2, zero3) or a file.",
+        f"--accelerate_config NAME|PATH picks a preset ({', '.join(presets())}) or a file; both may\n"
+        "also be top-level keys of the recipe, as may env: {VARIABLE: value}.",
     ]
     return "\n\n".join(parts)
+
+
+def _trl_help(key: str) -> str:
+    from . import script_args
+
+    for cls in (script_args.ScriptArguments, script_args.ModelConfig, script_args.DatasetMixtureConfig):
+        for field in dataclasses.fields(cls):
+            if field.name == key:
+                return f"{field.metadata.get('help', '')} (default: {_default(field)})"
+    return "a reward model's folder or hub id, scored first (GRPO, RLOO)"
 
 
 def _training_arguments():
@@ -396,12 +574,12 @@ def _training_arguments():
 
 def add_method_arguments(parser: argparse.ArgumentParser, name: str, method=None) -> None:
     """The flags of ``plait <name>`` (``method``: the method's record, whose fields --help lists)."""
-    parser.add_argument("--config", help="YAML recipe (see examples/recipes/); optional when --model and "
-                                         "--dataset are given")
+    parser.add_argument("--config", help="YAML recipe, plait's (see examples/recipes/) or TRL's flat one; optional "
+                                         "when --model_name_or_path (--model) and --dataset_name (--dataset) are given")
     parser.add_argument("--num_processes", type=int, metavar="N",
                         help="train on N processes (data parallel), relaunching this command")
     parser.add_argument("--accelerate_config", metavar="NAME|PATH",
-                        help="launch preset (cpu_ddp, multi_gpu, fsdp, zero1, zero2, zero3) or an accelerate config file")
+                        help=f"launch preset ({', '.join(presets())}) or an accelerate config file")
     parser.add_argument("--check", action="store_true",
                         help="check the recipe (names, types, ranges, data files) and exit without training")
     parser.usage = f"plait {name} [--config RECIPE] [--FIELD VALUE ...] [--num_processes N] [--accelerate_config NAME|PATH]"
@@ -414,18 +592,24 @@ def run_method(name: str, method, args: argparse.Namespace, plugins: Plugins) ->
     """``plait <name> [--config ...] [--FIELD VALUE ...]``: check, then train (or relaunch on N processes)."""
     record = method or plugins.methods.get(name, family="method").obj
     overrides = override_values(parse_overrides(args.extra), record.config, f"plait {name}")
-    if args.config is None and not {"model", "dataset"} <= {k.split(".")[0] for k in overrides}:
+    given = {k.split(".")[0] for k in overrides}
+    if args.config is None and not (given & {"model", "model_name_or_path"} and given & {"dataset", "dataset_name"}):
         raise PlaitError(f"plait {name}: no --config given; pass --config recipe.yaml, or --model PATH and --dataset FILE")
+    settings = launch_settings(args.config)  # accelerate_config, num_processes, env: the command line wins
+    set_env(settings.get("env"), args.config)
+    num_processes = args.num_processes if args.num_processes is not None else settings.get("num_processes")
+    accelerate_config = args.accelerate_config or settings.get("accelerate_config")
     config = load_recipe(args.config, overrides, method=name)
-    # once, here: before a model loads and before N copies start
-    preflight.check_inputs(config, check_recipe(config, plugins))
+    # once, here: before a model loads and before N copies start (a model needing its own code is read with it)
+    with remote_code(config.training.get("trust_remote_code") is True):
+        preflight.check_inputs(config, check_recipe(config, plugins))
     if args.check:
         print(f"plait: {args.config or 'the command line'} is a valid {name} recipe")
         return 0
     from .launch import launch, inside_launched_process
 
-    if (args.num_processes not in (None, 1) or args.accelerate_config) and not inside_launched_process():
+    if (num_processes not in (None, 1) or accelerate_config) and not inside_launched_process():
         command = [name, *(["--config", str(Path(args.config).resolve())] if args.config else []), *args.extra]
-        return launch(command, args.num_processes, args.accelerate_config)
+        return launch(command, num_processes, accelerate_config)
     run(config, plugins)
     return 0

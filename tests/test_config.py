@@ -54,7 +54,7 @@ MALFORMED = {
                              ["config.yaml.dataset.path: required field is missing", "add `path: ...`"]),
     "dataset-not-a-mapping": ("method: dpo\nmodel: tiny\ndataset: prefs.jsonl\n",
                               ["config.yaml.dataset: expected a mapping of DatasetSpec fields", "'prefs.jsonl'",
-                               "write it as {path: ..., name: ..., data_files: ..., split: ...}"]),
+                               "write it as {path: ..., name: ..., data_files: ..., split: ..., data_dir: ..."]),
     "misspelt-nested-key": (RECIPE + "eval_dataset: {path: json, splt: test}\n",
                             ["config.yaml.eval_dataset: unknown field 'splt'", "did you mean 'split'"]),
     "method-not-a-string": ("method: 3\nmodel: tiny\ndataset: {path: json}\n",

@@ -33,6 +33,7 @@ KIND_FOLDERS = {
     "plugins/advantages": {"register_advantage_estimators"},
     "plugins/generation": {"register_generation_backends", "register_commands"},  # backends, `plait vllm-serve`
     "plugins/reward_sources": {"resolve_reward"},
+    "plugins/commands": {"register_commands"},  # subcommands of their own (`plait reward`, TRL's names)
     "losses": {"register_losses"},
     "rewards": {"register_rewards"},
 }

@@ -234,10 +234,10 @@ def test_presets_are_accelerate_config_files():
     from accelerate.commands.config.config_args import ClusterConfig
 
     names = {p.stem for p in PRESETS.glob("*.yaml")}
-    assert names == {"cpu_ddp", "multi_gpu", "fsdp", "zero1", "zero2", "zero3"}
+    assert names == {"cpu_ddp", "single_gpu", "multi_gpu", "fsdp1", "fsdp2", "zero1", "zero2", "zero3"}
     kinds = {name: ClusterConfig.from_yaml_file(str(preset_path(name))).distributed_type.value for name in names}
-    assert kinds == {"cpu_ddp": "MULTI_CPU", "multi_gpu": "MULTI_GPU", "fsdp": "FSDP",
-                     "zero1": "DEEPSPEED", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED"}
+    assert kinds == {"cpu_ddp": "MULTI_CPU", "single_gpu": "NO", "multi_gpu": "MULTI_GPU", "fsdp1": "FSDP",
+                     "fsdp2": "FSDP", "zero1": "DEEPSPEED", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED"}
     for stage in (1, 2, 3):
         assert ClusterConfig.from_yaml_file(str(preset_path(f"zero{stage}"))).deepspeed_config["zero_stage"] == stage
 

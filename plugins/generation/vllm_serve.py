@@ -60,20 +60,21 @@ LINGER_BYTES, LINGER_SECONDS = 2**20, 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # each flag also under TRL's spelling (--tensor_parallel_size), so `trl vllm-serve ...` lines run unchanged
     parser.add_argument("--model", required=True, help="model folder or hub id")
     parser.add_argument("--revision", default=None)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--data-parallel-size", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", "--tensor_parallel_size", type=int, default=1)
+    parser.add_argument("--data-parallel-size", "--data_parallel_size", type=int, default=1)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default loopback; any other needs --token)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--gpu-memory-utilization", "--gpu_memory_utilization", type=float, default=0.9)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-model-len", "--max_model_len", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="KV cache size (CPU: instead of VLLM_CPU_KVCACHE_SPACE)")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+    parser.add_argument("--enable-prefix-caching", "--enable_prefix_caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--enforce-eager", "--enforce_eager", action=argparse.BooleanOptionalAction, default=None,
                         help="no CUDA graphs / compilation (default: on for CPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--token", default=None, help=f"shared secret clients must send (or set {TOKEN_ENV})")

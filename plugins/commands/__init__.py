@@ -1,0 +1,1 @@
+"""``plait`` subcommands that are no method's and no backend's (``register_commands``)."""
