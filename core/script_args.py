@@ -38,7 +38,8 @@ class ScriptArguments:
     dataset_train_split: str = field(default="train", metadata={"help": "split to train on"})
     dataset_test_split: str = field(default="test", metadata={"help": "split to evaluate on (when eval_strategy "
                                                                       "is not 'no')"})
-    dataset_streaming: bool = field(default=False, metadata={"help": "stream the dataset instead of downloading it"})
+    dataset_streaming: bool = field(default=False, metadata={"help": "stream the dataset instead of downloading it "
+                                                                     "(plait's commands refuse it: they prepare data whole)"})
     ignore_bias_buffers: bool = field(default=False, metadata={"help": "DDP workaround for models with boolean "
                                                                        "bias buffers"})
 

@@ -82,6 +82,19 @@ def test_trl_flags_are_typed_and_checked_before_any_model_loads(capsys, tmp_path
     assert "did you mean 'learning_rate'?" in capsys.readouterr().err
 
 
+def test_trl_grpo_flags_reach_the_grpo_config(capsys):
+    argv = ["grpo", "--model_name_or_path", str(tiny_model_path()), "--dataset_name", str(PREFERENCES),
+            "--reward_funcs", "accuracy_reward", "--use_vllm", "--vllm_mode", "colocate", "--num_generations", "4",
+            "--per_device_train_batch_size", "4"]
+    config = load_recipe(None, {"model_name_or_path": str(tiny_model_path()), "dataset_name": str(PREFERENCES),
+                                "reward_funcs": "accuracy_reward", "reward_model_name_or_path": "my/rm",
+                                "use_vllm": True, "vllm_mode": "colocate"}, method="grpo")
+    assert config.reward_funcs == ["my/rm", "accuracy_reward"]  # the reward model first, as TRL orders them
+    assert (config.training["use_vllm"], config.training["vllm_mode"]) == (True, "colocate")
+    assert main([*argv, "--check"]) == 0
+    assert capsys.readouterr().out == "plait: the command line is a valid grpo recipe\n"
+
+
 # -- TRL's flat recipes --------------------------------------------------------------------------
 
 
