@@ -2,11 +2,11 @@
 
 from plait import hookimpl
 
-from .._collate import check_multiple, pad_token_id, padded_batch
+from .._collate import check_multiple, pad_token_id, padded_batch, trained_mask
 
 
 def language_modeling_collator(processing_class, *, pad_to_multiple_of=None):
-    """Collate rows with ``input_ids`` and optional ``completion_mask`` (default: all ones).
+    """Collate rows with ``input_ids`` and optional ``completion_mask`` (or ``labels``; default: all ones).
 
     Returns ``input_ids``, ``attention_mask``, ``completion_mask`` and ``labels`` (``input_ids``
     with -100 wherever ``completion_mask`` is 0, padding included), all ``[B, T]``.
@@ -15,7 +15,7 @@ def language_modeling_collator(processing_class, *, pad_to_multiple_of=None):
 
     def collate(examples):
         ids = [list(ex["input_ids"]) for ex in examples]
-        masks = [list(ex.get("completion_mask") or [1] * len(i)) for ex, i in zip(examples, ids)]
+        masks = [trained_mask(ex) for ex in examples]
         batch = padded_batch(ids, masks, pad_id, multiple)
         batch["labels"] = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
         return batch

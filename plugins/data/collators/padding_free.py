@@ -6,11 +6,9 @@ transformers' attention implementations read document boundaries from the restar
 ``seq_lengths``; each piece is its own document.
 """
 
-import torch
-
 from plait import hookimpl
 
-from .._collate import check_multiple, pad_token_id, padded_length
+from .._collate import check_multiple, flat_documents, pad_token_id, row_tensor, trained_mask
 
 
 def padding_free_collator(processing_class, *, pad_to_multiple_of=None):
@@ -23,28 +21,20 @@ def padding_free_collator(processing_class, *, pad_to_multiple_of=None):
     pad_id, multiple = pad_token_id(processing_class), check_multiple(pad_to_multiple_of)
 
     def collate(examples):
-        ids, positions, labels, masks = [], [], [], []
+        docs, labels, masks = [], [], []
         for ex in examples:
-            row = list(ex["input_ids"])
-            mask = list(ex.get("completion_mask") or [1] * len(row))
+            row, mask = list(ex["input_ids"]), trained_mask(ex)
             start = 0
             for length in ex.get("seq_lengths") or [len(row)]:
                 doc_ids, doc_mask = row[start:start + length], mask[start:start + length]
-                ids += doc_ids
+                docs.append(doc_ids)
                 masks += doc_mask
-                positions += range(length)
                 labels += [-100] + [t if m else -100 for t, m in zip(doc_ids[1:], doc_mask[1:])]
                 start += length
-        extra = padded_length(len(ids), multiple) - len(ids)
-        ids += [pad_id] * extra
-        positions += range(extra)
-        labels += [-100] * extra
-        masks += [0] * extra
-
-        def row(values):
-            return torch.tensor([values], dtype=torch.long)
-
-        return {"input_ids": row(ids), "position_ids": row(positions), "labels": row(labels), "completion_mask": row(masks)}
+        batch, extra = flat_documents(docs, pad_id, multiple)
+        batch["labels"] = row_tensor(labels + [-100] * extra)
+        batch["completion_mask"] = row_tensor(masks + [0] * extra)
+        return batch
 
     return collate
 

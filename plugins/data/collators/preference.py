@@ -1,16 +1,33 @@
-"""Preference batches (DPO, reward models): chosen rows then rejected rows, sharing one padding.
+"""Preference batches (DPO, reward models): chosen rows then rejected rows.
 
-One forward pass over ``2B`` rows gives both log-prob sums; ``batch[k].chunk(2)`` splits any
-tensor back into its chosen and rejected halves.
+``collator.preference`` pads the ``2B`` sequences to one width; ``collator.preference_padding_free``
+puts them back to back in one row without padding. Either way one forward gives both sides'
+log-probs, and the per-row tensors (``completion_mask``, and the log-probs once
+:func:`plait.plugins.data._collate.row_token_logprobs` maps them back) have ``2B`` rows, so
+``batch[k].chunk(2)`` splits any of them into its chosen and rejected halves.
 """
 
 import torch
 
 from plait import hookimpl
 
-from .._collate import check_multiple, pad_token_id, padded_batch, sequences
+from .._collate import check_multiple, flat_documents, pad, pad_token_id, padded_batch, sequences
 
 PASSTHROUGH = ("ref_chosen_logps", "ref_rejected_logps", "margin")
+
+
+def _sequences(examples: list[dict]) -> tuple[list[list[int]], list[list[int]]]:
+    """prompt+chosen rows then prompt+rejected rows, and their completion masks."""
+    prompts = [ex["prompt_ids"] for ex in examples] * 2
+    completions = [ex["chosen_ids"] for ex in examples] + [ex["rejected_ids"] for ex in examples]
+    return sequences(prompts, completions)
+
+
+def _add_passthrough(batch: dict, examples: list[dict], passthrough) -> dict:
+    for key in passthrough:
+        if all(ex.get(key) is not None for ex in examples):
+            batch[key] = torch.tensor([float(ex[key]) for ex in examples], dtype=torch.float32)
+    return batch
 
 
 def preference_collator(processing_class, *, pad_to_multiple_of=None, passthrough=PASSTHROUGH):
@@ -24,13 +41,30 @@ def preference_collator(processing_class, *, pad_to_multiple_of=None, passthroug
     pad_id, multiple = pad_token_id(processing_class), check_multiple(pad_to_multiple_of)
 
     def collate(examples):
-        prompts = [ex["prompt_ids"] for ex in examples] * 2
-        completions = [ex["chosen_ids"] for ex in examples] + [ex["rejected_ids"] for ex in examples]
-        batch = padded_batch(*sequences(prompts, completions), pad_id, multiple)
-        for key in passthrough:
-            if all(ex.get(key) is not None for ex in examples):
-                batch[key] = torch.tensor([float(ex[key]) for ex in examples], dtype=torch.float32)
-        return batch
+        return _add_passthrough(padded_batch(*_sequences(examples), pad_id, multiple), examples, passthrough)
+
+    return collate
+
+
+def preference_padding_free_collator(processing_class, *, pad_to_multiple_of=None, passthrough=PASSTHROUGH):
+    """Collate the rows ``collator.preference`` takes into one row without padding.
+
+    Returns ``input_ids`` and ``position_ids`` ``[1, N]``: the ``2B`` sequences (prompt+chosen
+    ones, then prompt+rejected ones) back to back, positions restarting at 0 for each, so
+    attention stays within a sequence; ``pad_to_multiple_of`` rounds ``N``. ``seq_lengths``
+    ``[2B]`` and ``completion_mask`` ``[2B, T]`` describe the rows as ``collator.preference``
+    lays them out (right padded to the longest, no rounding), which is where
+    :func:`~plait.plugins.data._collate.row_token_logprobs` puts each token's log-prob back.
+    Passthrough columns as in ``collator.preference``.
+    """
+    pad_id, multiple = pad_token_id(processing_class), check_multiple(pad_to_multiple_of)
+
+    def collate(examples):
+        ids, masks = _sequences(examples)
+        batch, _ = flat_documents(ids, pad_id, multiple)
+        batch["seq_lengths"] = torch.tensor([len(row) for row in ids], dtype=torch.long)
+        batch["completion_mask"] = pad(masks, 0)
+        return _add_passthrough(batch, examples, passthrough)
 
     return collate
 
@@ -38,3 +72,5 @@ def preference_collator(processing_class, *, pad_to_multiple_of=None, passthroug
 @hookimpl
 def register_collators(register):
     register("collator.preference", preference_collator, doc="2B rows [chosen; rejected] with shared padding and completion_mask.")
+    register("collator.preference_padding_free", preference_padding_free_collator,
+             doc="2B sequences [chosen; rejected] back to back in one row, position_ids restart per sequence, no padding.")
