@@ -7,7 +7,8 @@ Models" (LRML). With z = βΔ, Δ the f-divergence margin, and m = σ(z/τ):
 
 A blend of DPO's logistic loss (small margins) and an exponential loss (large ones), switched
 by a sharp sigmoid of temperature τ (0.05 in the paper; τ > 0). Non-convex, and not monotone
-in Δ: near z = 0 the switch briefly raises the loss. β typically 0.05–0.5.
+in Δ: near z = 0 the switch briefly raises the loss. β typically 0.05–0.5. τ is DPOConfig's
+``discopop_tau`` (TRL's name, shared into this loss like ``beta``) unless the loss entry sets it.
 """
 
 import attrs
