@@ -26,7 +26,8 @@ SCRIPT_ARGS = ("ModelConfig", "ScriptArguments", "DatasetConfig", "DatasetMixtur
 # TRL's data utilities and collators (plait.data_utils) and callbacks (plait.callbacks), by TRL's names
 DATA_UTILS = ("apply_chat_template", "maybe_apply_chat_template", "extract_prompt", "maybe_extract_prompt",
               "unpair_preference_dataset", "maybe_unpair_preference_dataset", "is_conversational", "pack_dataset",
-              "truncate_dataset", "clone_chat_template", "DataCollatorForLanguageModeling",
+              "truncate_dataset", "clone_chat_template", "is_conversational_from_value", "maybe_convert_to_chatml",
+              "DataCollatorForLanguageModeling",
               "DataCollatorForPreference", "DataCollatorForUnpairedPreference")
 CALLBACKS = ("LogCompletionsCallback", "SyncRefModelCallback", "RichProgressCallback", "BEMACallback",
              "MergeConfig", "MergeModelCallback")

@@ -37,6 +37,27 @@ def is_conversational(example: dict[str, Any]) -> bool:
     return any(example.get(key) and chat.is_conversational(example[key]) for key in CONVERSATION_KEYS)
 
 
+def is_conversational_from_value(example: dict[str, Any]) -> bool:
+    """True when the example's ``conversations`` holds ShareGPT ``{"from", "value"}`` turns."""
+    turns = example.get("conversations")
+    return isinstance(turns, list) and bool(turns) and isinstance(turns[0], dict) and {"from", "value"} <= set(turns[0])
+
+
+def maybe_convert_to_chatml(example: dict[str, list]) -> dict[str, list]:
+    """ShareGPT turns (``from``/``value``) in any conversation column become role/content messages
+    through plait's ``format.sharegpt`` (``human`` -> ``user``, ``gpt`` -> ``assistant``, ...), and
+    ``conversations`` is renamed ``messages``; other values are left as they are."""
+    to_messages = _plugins().data_formats.get("format.sharegpt").obj.convert
+    out = dict(example)
+    for key in ("prompt", "completion", "chosen", "rejected", "messages", "conversations"):
+        value = out.get(key)
+        if isinstance(value, list) and value and all(isinstance(m, dict) and "from" in m for m in value):
+            out[key] = to_messages({"conversations": value})["text"]
+    if "conversations" in out:
+        out["messages"] = out.pop("conversations")
+    return out
+
+
 def _render(processing_class, messages, tools, template_kwargs: dict, **flags) -> str:
     tokenizer = chat.tokenizer_of(processing_class)
     return tokenizer.apply_chat_template(list(messages), tools=tools or None, tokenize=False, **flags, **template_kwargs)

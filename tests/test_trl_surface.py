@@ -164,6 +164,8 @@ TRL_DATA_PARAMETERS = {
     "pack_dataset": ["dataset", "seq_length", "strategy", "map_kwargs"],
     "truncate_dataset": ["dataset", "max_length", "map_kwargs"],
     "clone_chat_template": ["model", "tokenizer", "source_tokenizer_path", "resize_to_multiple_of"],
+    "is_conversational_from_value": ["example"],
+    "maybe_convert_to_chatml": ["example"],
     "DataCollatorForLanguageModeling": ["pad_token_id", "padding_free", "return_position_ids", "pad_to_multiple_of",
                                         "return_tensors"],
     "DataCollatorForPreference": ["pad_token_id", "max_length", "truncation_mode", "pad_to_multiple_of", "return_tensors"],
@@ -248,6 +250,20 @@ def test_extract_prompt_as_trl_and_where_plait_cuts_at_a_word():
     # TRL 1.16 cuts inside the word: {'prompt': 'The sky is bl', 'chosen': 'ue.', 'rejected': 'eak.'}
     assert extract_prompt({"chosen": "The sky is blue.", "rejected": "The sky is bleak."}) == {
         "prompt": "The sky is", "chosen": " blue.", "rejected": " bleak."}
+
+
+def test_sharegpt_turns_convert_to_chatml_as_trl():
+    from plait import is_conversational_from_value, maybe_convert_to_chatml
+
+    sharegpt = {"conversations": [{"from": "user", "value": "Sky?"}, {"from": "assistant", "value": "Blue."}]}
+    assert is_conversational_from_value(sharegpt) and not is_conversational_from_value({"prompt": "x"})
+    # TRL 1.16's maybe_convert_to_chatml on the same examples
+    assert maybe_convert_to_chatml(sharegpt) == {"messages": [user("Sky?"), message("Blue.")[0]]}
+    assert maybe_convert_to_chatml({"prompt": [{"from": "user", "value": "Sky?"}], "completion": "x"}) == {
+        "prompt": [user("Sky?")], "completion": "x"}
+    # plait maps ShareGPT's speaker names to chat roles (TRL keeps "human" / "gpt" as roles)
+    assert maybe_convert_to_chatml({"conversations": [{"from": "human", "value": "Sky?"}, {"from": "gpt", "value": "Blue."}]}) == {
+        "messages": [user("Sky?"), message("Blue.")[0]]}
 
 
 def test_unpair_preference_dataset_as_trl():
