@@ -207,6 +207,16 @@ def test_plait_distillation_is_distill_and_env_reports_what_a_bug_report_needs()
     assert f"plait {plait.__version__} (" in info["plugins"]
 
 
+def test_vllm_serve_takes_trls_flag_spellings():
+    from plait.cli import build_parser
+
+    parser = build_parser(plait.make_plugins(), selected="vllm-serve")
+    args = parser.parse_args(["vllm-serve", "--model", "m", "--tensor_parallel_size", "2", "--data_parallel_size", "3",
+                              "--gpu_memory_utilization", "0.5", "--max_model_len", "128", "--enforce_eager"])
+    assert (args.tensor_parallel_size, args.data_parallel_size, args.gpu_memory_utilization, args.max_model_len,
+            args.enforce_eager) == (2, 3, 0.5, 128, True)
+
+
 def plait_version(dist: str) -> str:
     import importlib.metadata
 
