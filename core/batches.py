@@ -179,6 +179,13 @@ class PolicyTokens:
     divided by (the generation batch's tokens per process, scaled to one optimizer step; None:
     this batch's own ``mask.sum()``), ``gradient_accumulation_steps`` (micro-batches summed into
     one optimizer step) and ``max_completion_length`` (None: T).
+
+    ``entropy`` ``[B, T]`` is the entropy of the (tempered) next-token distribution that sampled
+    each token, from the same forward as ``logps`` and with gradient (None: not computed).
+    ``sampling_logps`` ``[B, T]`` are the log-probs the sampler itself reported (a vLLM engine;
+    NaN where it could not score a token), None when the backend reports none. ``gather`` joins a
+    1-D tensor's values from every process (the identity in one process), for a statistic over
+    the whole micro-batch of all processes, such as an entropy quantile.
     """
 
     logps: Tensor
@@ -190,6 +197,9 @@ class PolicyTokens:
     num_items_in_batch: Tensor | float | None = None
     gradient_accumulation_steps: int = 1
     max_completion_length: int | None = None
+    entropy: Tensor | None = None
+    sampling_logps: Tensor | None = attrs.field(default=None, converter=_frozen)
+    gather: Callable[[Tensor], Tensor] = _identity
 
     @property
     def batch_size(self) -> int:
@@ -204,6 +214,19 @@ class PolicyTokens:
     def lengths(self) -> Tensor:
         """|y_i|: counted completion tokens per row, ``[B]`` (float)."""
         return self.mask.to(self.logps.dtype).sum(-1)
+
+
+def gather_ragged(accelerator, values: Tensor) -> Tensor:
+    """Every process's values of the 1-D tensor ``values`` (lengths may differ), concatenated.
+
+    Pads each process's tensor with NaN to the longest, gathers, and drops the padding, so the
+    values must be finite (entropies are). One process: ``values`` itself, without a collective.
+    """
+    if accelerator.num_processes == 1:
+        return values
+    padded = accelerator.pad_across_processes(values, dim=0, pad_index=float("nan"))
+    everyone = accelerator.gather(padded)
+    return everyone[~everyone.isnan()]
 
 
 @attrs.frozen

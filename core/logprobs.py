@@ -14,10 +14,15 @@ all-reduces every gradient), a pre-hook on the output layer captures its input h
 and lets it project only one position, and then the output layer is applied to chunks of
 positions, each under activation checkpointing so backward recomputes a chunk's logits rather
 than storing them. Peak logits memory is O(chunk_size · V) instead of O(B · T · V).
+
+``cast_lm_head_to_fp32`` projects the output layer in float32 (its weights and the hidden states
+upcast, autocast off), so logits, log-probs and entropies keep fp32 precision under a bf16
+autocast (the ScaleRL recipe, Khatri et al. 2025). The layer's stored weights are unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Callable
 
@@ -29,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .errors import PlaitError
 
-__all__ = ["TokenLogprobs", "compare_distributions", "default_chunk_size", "token_logprobs"]
+__all__ = ["TokenLogprobs", "compare_distributions", "default_chunk_size", "fp32_projection", "token_logprobs"]
 
 # fp32 bytes of one chunk's logits; a few temporaries of this size live at once.
 LOGITS_BUDGET_BYTES = 128 * 2**20
@@ -71,6 +76,7 @@ def token_logprobs(
     with_collision: bool = False,
     chunk_size: int | None = None,
     chunked: bool = True,
+    cast_lm_head_to_fp32: bool = False,
     **model_kwargs,
 ) -> TokenLogprobs:
     """Log-probs of ``input_ids`` [B, T] under ``model`` (a causal LM, possibly wrapped).
@@ -80,7 +86,8 @@ def token_logprobs(
     at 0 for each document and ``attention_mask=None``. ``chunk_size`` counts positions over the
     flattened batch (default :func:`default_chunk_size`). ``chunked=False`` computes full logits
     through the model's own forward: the same values, for models whose output layer cannot be
-    split off. ``model_kwargs`` go to the model's forward unchanged.
+    split off. ``cast_lm_head_to_fp32`` computes the output layer in float32 (a plain linear layer
+    only). ``model_kwargs`` go to the model's forward unchanged.
     """
     _check_arguments(temperature, chunk_size, input_ids)
     forward_kwargs = _forward_kwargs(attention_mask, position_ids, model_kwargs)
@@ -91,9 +98,10 @@ def token_logprobs(
     stats = _Stats(temperature, with_entropy, with_logit_mean, with_argmax, with_collision)
 
     if chunked:
-        out = _chunked(model, input_ids, forward_kwargs, targets, stats, chunk_size)
+        out = _chunked(model, input_ids, forward_kwargs, targets, stats, chunk_size, cast_lm_head_to_fp32)
     else:
-        logits = model(input_ids=input_ids, **forward_kwargs).logits
+        with _fp32_head(model) if cast_lm_head_to_fp32 else contextlib.nullcontext():
+            logits = model(input_ids=input_ids, **forward_kwargs).logits
         out = stats(logits.float().reshape(B * T, -1), targets)
 
     def align(x: Tensor) -> Tensor:
@@ -258,11 +266,39 @@ class _Stats:
 _checked_heads: weakref.WeakSet = weakref.WeakSet()
 
 
-def _final_hidden(model, input_ids, forward_kwargs) -> tuple[Tensor, torch.nn.Module, Callable[[Tensor], Tensor], Any]:
+def fp32_projection(head: torch.nn.Module) -> Callable[[Tensor], Tensor]:
+    """``head`` as a float32 projection: weights and input upcast, autocast off."""
+    if not isinstance(head, torch.nn.Linear):
+        raise PlaitError(f"cast_lm_head_to_fp32=True needs a plain linear output layer, but it is a "
+                         f"{type(head).__name__} (an adapter on lm_head?); remove lm_head from the adapter's target "
+                         "modules or set cast_lm_head_to_fp32=False")
+
+    def project(h: Tensor) -> Tensor:
+        with torch.autocast(h.device.type, enabled=False):
+            bias = None if head.bias is None else head.bias.float()
+            return torch.nn.functional.linear(h.float(), head.weight.float(), bias)
+
+    return project
+
+
+@contextlib.contextmanager
+def _fp32_head(model):
+    """While active, the model's output layer returns its float32 projection (full-logits path)."""
+    head = extract_model_from_parallel(model).get_output_embeddings()
+    fp32 = fp32_projection(head)
+    handle = head.register_forward_hook(lambda module, args, output: fp32(args[0]))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _final_hidden(model, input_ids, forward_kwargs,
+                  fp32_head: bool = False) -> tuple[Tensor, torch.nn.Module, Callable[[Tensor], Tensor], Any]:
     """Run ``model`` once and return the hidden states its output layer projects ``[B, T, H]``,
     that layer, ``project`` (hidden states -> logits exactly as the model computes them: the layer,
-    what follows it (see :func:`_post_head`), under the autocast its forward ran under) and the
-    model's output (logits of one position per row)."""
+    what follows it (see :func:`_post_head`), under the autocast its forward ran under; with
+    ``fp32_head`` the layer in float32 instead) and the model's output (logits of one position per row)."""
     inner = extract_model_from_parallel(model)  # unwraps DDP/compile; PeftModel forwards attributes
     head = inner.get_output_embeddings()
     if head is None:
@@ -290,8 +326,11 @@ def _final_hidden(model, input_ids, forward_kwargs) -> tuple[Tensor, torch.nn.Mo
     if not captured:
         raise PlaitError(f"{type(inner).__name__}'s forward never called its output layer; pass chunked=False to token_logprobs")
     hidden, rng, autocast = captured[0]
+    fp32 = fp32_projection(head) if fp32_head else None
 
     def project(h: Tensor) -> Tensor:
+        if fp32 is not None:
+            return post(fp32(h))
         # accelerate's mixed precision autocasts only the model's forward; the chunks run after
         # it returns, so they re-enter the same autocast (bf16 projections, as the model's own).
         with autocast():
@@ -302,8 +341,9 @@ def _final_hidden(model, input_ids, forward_kwargs) -> tuple[Tensor, torch.nn.Mo
     return hidden, head, project, output
 
 
-def _chunked(model, input_ids, forward_kwargs, targets, stats: _Stats, chunk_size) -> tuple[Tensor, ...]:
-    hidden, head, project, output = _final_hidden(model, input_ids, forward_kwargs)
+def _chunked(model, input_ids, forward_kwargs, targets, stats: _Stats, chunk_size,
+             fp32_head: bool = False) -> tuple[Tensor, ...]:
+    hidden, head, project, output = _final_hidden(model, input_ids, forward_kwargs, fp32_head)
     flat = hidden.reshape(-1, hidden.shape[-1])
     size = chunk_size or default_chunk_size(getattr(head, "out_features", None) or output.logits.shape[-1])
 

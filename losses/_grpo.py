@@ -14,7 +14,7 @@ from torch import Tensor
 
 from plait.batches import PolicyTokens
 from plait.errors import PlaitError
-from plait.params import non_negative, positive
+from plait.params import finite, in_range, non_negative, positive
 
 LEVELS = ("token", "sequence")
 
@@ -29,6 +29,10 @@ def _optional_positive(instance, attribute, value) -> None:
         positive(instance, attribute, value)
 
 
+# top_entropy_quantile: the share of tokens (by entropy) the policy term keeps; 1 keeps them all
+in_unit_interval = in_range(0.0, 1.0)
+
+
 @attrs.frozen
 class ClipParams:
     """Knobs every GRPO loss type reads; names and defaults follow TRL's GRPOConfig.
@@ -38,6 +42,9 @@ class ClipParams:
     in the unclipped branch (two-sided clipping, INTELLECT-2). ``beta`` > 0 adds β·KL(π‖π_ref)
     with the k3 estimator, weighted by the importance ratio ρ unless ``use_bias_correction_kl`` is
     False. ``importance_sampling_level`` "sequence" is GSPO's length-normalised sequence ratio.
+    ``top_entropy_quantile`` ρ < 1 keeps only the policy term of the top-ρ tokens by entropy
+    (:func:`high_entropy_tokens`); ``off_policy_mask_threshold`` δ drops the policy term of
+    negative-advantage sequences that drifted more than δ from the sampler (:func:`off_policy_kept`).
     """
 
     epsilon: float = attrs.field(default=0.2, validator=positive)
@@ -46,6 +53,8 @@ class ClipParams:
     beta: float = attrs.field(default=0.0, validator=non_negative)
     importance_sampling_level: str = attrs.field(default="token", validator=_level)
     use_bias_correction_kl: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    top_entropy_quantile: float = attrs.field(default=1.0, validator=in_unit_interval)
+    off_policy_mask_threshold: float | None = attrs.field(default=None, validator=attrs.validators.optional(finite))
 
     @property
     def eps_high(self) -> float:
@@ -103,13 +112,82 @@ def corrected_kl(batch: PolicyTokens, p: ClipParams) -> Tensor:
 
 
 def regularise(per_token: Tensor, batch: PolicyTokens, p: ClipParams) -> Tensor:
-    """Apply the sampler-correction weights to the policy term, then add β·KL; ``[B, T]``."""
+    """Zero the policy term where a mask drops it (off-policy sequences, low-entropy tokens), weight
+    it by the sampler correction, then add β·KL (never masked); ``[B, T]``.
+
+    The masks only zero terms: every normaliser still counts the tokens of ``batch.mask``.
+    """
     per_token = per_token.expand_as(batch.logps)
+    if p.off_policy_mask_threshold is not None:
+        per_token = per_token * off_policy_kept(batch, p.off_policy_mask_threshold)
+    high = high_entropy_tokens(batch, p.top_entropy_quantile)
+    if high is not None:
+        per_token = per_token * high
     if batch.importance_weights is not None:
         per_token = per_token * batch.importance_weights
     if p.beta > 0:
         per_token = per_token + p.beta * (corrected_kl(batch, p) if p.use_bias_correction_kl else k3_kl(batch))
     return per_token
+
+
+# -- token and sequence masks -----------------------------------------------------------------
+
+
+def off_policy_kept(batch: PolicyTokens, threshold: float) -> Tensor:
+    """Off-policy sequence masking (DeepSeek-AI 2025, "DeepSeek-V3.2", eq. 9): 1 where kept.
+
+    A sequence is dropped when its advantage is negative *and* the policy drifted from the one that
+    sampled it by more than δ = ``threshold``, measured as the masked mean over its tokens of
+    log π_sampler − log π (a KL(π_sampler‖π) estimate, no gradient). π_sampler is the sampler's
+    own log-probs when the backend reports them, else π_old; tokens it could not score (NaN)
+    count as 0. ``[B, 1]`` (``[B, T]`` for per-token advantages, judged token by token).
+    """
+    sampler = batch.sampling_logps if batch.sampling_logps is not None else batch.old_logps
+    drift = torch.nan_to_num(sampler - batch.logps.detach(), nan=0.0)
+    mask = batch.mask.to(drift.dtype)
+    mean_drift = (drift * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((batch.token_advantages >= 0) | (mean_drift <= threshold)).to(drift.dtype)
+
+
+def high_entropy_tokens(batch: PolicyTokens, top: float) -> Tensor | None:
+    """The top-``top`` share of counted tokens by entropy (Wang et al. 2025, "Beyond the 80/20 Rule"),
+    as a 0/1 ``[B, T]`` mask; None when ``top`` = 1 (every token).
+
+    The cut is the (1 − ``top``) quantile (linear interpolation) of the entropies of every counted
+    token of this micro-batch on every process; a token is kept when its entropy is at least the
+    cut, so ``top`` = 0 keeps only the highest-entropy token(s).
+    """
+    if top >= 1.0:
+        return None
+    if batch.entropy is None:
+        raise PlaitError("top_entropy_quantile < 1 but the batch has no token entropies; the method must compute "
+                         "them (GRPO does) or set top_entropy_quantile=1.0")
+    counted = batch.mask.bool()
+    entropy = batch.entropy.detach()
+    everyone = batch.gather(entropy[counted].float())
+    if everyone.numel() == 0:
+        return torch.zeros_like(entropy)
+    cut = torch.quantile(everyone, 1.0 - top)
+    return ((entropy.float() >= cut) & counted).to(entropy.dtype)
+
+
+def entropy_sum(batch: PolicyTokens, top: float = 1.0) -> tuple[Tensor, Tensor]:
+    """(Σ H·m′, Σ m′) with m′ the counted tokens (only the high-entropy ones when ``top`` < 1), the
+    sum with gradient: an entropy bonus acts on the tokens the policy term acts on."""
+    if batch.entropy is None:
+        raise PlaitError("an entropy bonus needs the batch's token entropies; the method must compute them "
+                         "(GRPO does)")
+    mask = batch.mask.to(batch.entropy.dtype)
+    high = high_entropy_tokens(batch, top)
+    if high is not None:
+        mask = mask * high
+    return (batch.entropy * mask).sum(), mask.sum()
+
+
+def mean_entropy(batch: PolicyTokens, top: float = 1.0) -> Tensor:
+    """H̄ = Σ H·m′ / Σ m′ (see :func:`entropy_sum`)."""
+    total, tokens = entropy_sum(batch, top)
+    return total / tokens.clamp(min=1.0)
 
 
 # -- normalisations of Σ L·m -------------------------------------------------------------------

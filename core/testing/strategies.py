@@ -201,7 +201,7 @@ def policy_tokens(
     The sampling policy's log-probs equal the policy's (on-policy) or differ by up to 2 nats per
     token (0.5 in half precision, where exp overflows at 11); the reference's differ by up to
     5 nats (1 in half). Advantages are per sequence ``[B]`` or per token ``[B, T]``; optional
-    parts (reference, importance weights, normalisers) are present or None.
+    parts (reference, importance weights, normalisers) are present or None; token entropies always are.
     """
     size, tokens = draw(st.integers(min_size, max_size)), draw(st.integers(1, max_tokens))
     half = _is_half(dtype)
@@ -232,6 +232,8 @@ def policy_tokens(
         extra["num_items_in_batch"] = torch.tensor(float(sum(mask) * draw(st.integers(1, 4))))
     if draw(st.booleans()):
         extra["max_completion_length"] = tokens + draw(st.integers(0, 8))
+    # entropies of the sampling distributions: 0 (one-hot) up to ln(vocabulary) of a large model
+    extra["entropy"] = grid(draw(st.lists(st.floats(0.0, 12.0), min_size=n, max_size=n)))
     return PolicyTokens(
         logps=grid(logps), old_logps=grid(old), mask=mask_tensor,
         advantages=_tensor(advantages, dtype).view(size, tokens) if per_token else _tensor(advantages, dtype),
@@ -348,7 +350,7 @@ for _kind in (
     BatchKind(PairwiseRewards, pairwise_rewards, policy=("chosen_rewards", "rejected_rewards"),
               raise_margin=_raise_pairwise),
     # old_logps (the sampler's) are constants too, but a ratio to them is the point of the loss.
-    BatchKind(PolicyTokens, policy_tokens, policy=("logps",), reference=("ref_logps",), mask="mask",
+    BatchKind(PolicyTokens, policy_tokens, policy=("logps", "entropy"), reference=("ref_logps",), mask="mask",
               token_shape="logps"),
     BatchKind(ValueTokens, value_tokens, policy=("values",), mask="mask", token_shape="values"),
     # The teacher is a constant to the student exactly as a reference policy is.

@@ -5,18 +5,27 @@ them; an advantage estimator turns the scores into advantages relative to the gr
 network); a clipped policy-gradient loss of the ``grpo.*`` family (``dapo`` by default, or any
 registered one, composed by name) takes the step. The sampling, scoring and buffer re-use live
 in :class:`plait.online.OnlineTrainer`; this module only says which estimator and which losses.
+
+TRL's entropy fields map onto losses of the same family: ``entropy_coef`` ≠ 0 adds
+``grpo.entropy_bonus`` weighted by it, ``use_adaptive_entropy`` adds ``grpo.adaptive_entropy_bonus``
+(whose coefficient is training state, saved with checkpoints); ``top_entropy_quantile`` and
+``off_policy_mask_threshold`` reach every loss that takes them.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
+from accelerate.utils import extract_model_from_parallel
 
 from plait import Method, PlaitError, hookimpl
 from plait.batches import PolicyTokens
 from plait.config import method_config
+from plait.logprobs import fp32_projection
 from plait.online import OnlineParams, OnlineTrainer
-from plait.params import non_negative, positive
+from plait.params import finite, in_range, non_negative, positive
 
 # TRL's scale_rewards values -> the registered estimator that implements each
 SCALE_REWARDS = {"group": "advantage.group", True: "advantage.group", "batch": "advantage.batch",
@@ -25,7 +34,9 @@ AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 # Method knobs handed to every loss term that accepts them (like DPO's beta)
 SHARED_LOSS_FIELDS = ("epsilon", "epsilon_high", "delta", "beta", "importance_sampling_level", "use_bias_correction_kl",
                       "sapo_temperature_pos", "sapo_temperature_neg",
-                      "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+                      "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+                      "top_entropy_quantile", "off_policy_mask_threshold", "entropy_coef", "entropy_target",
+                      "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max")
 
 
 def _optional_level(instance, attribute, value) -> None:
@@ -43,6 +54,15 @@ class GRPOParams(OnlineParams):
     GDPO, and ``advantage_estimator`` names any registered one (``{name, **params}`` too).
     ``importance_sampling_level`` None lets each loss type use its own (token for every built-in one, as
     in TRL 1.16). ``use_bias_correction_kl`` weights the β·KL term by the importance ratio (TRL 1.16's default).
+
+    ``entropy_coef`` c ≠ 0 adds the entropy bonus −c·H̄ (``grpo.entropy_bonus``); with
+    ``use_adaptive_entropy`` c is the starting coefficient of ``grpo.adaptive_entropy_bonus``, moved
+    by ``entropy_coef_delta`` within [``entropy_coef_min``, ``entropy_coef_max``] each optimizer step
+    and applied only while the entropy is at most ``entropy_target``. ``top_entropy_quantile`` ρ < 1
+    keeps the policy term (and the bonus) of the top-ρ tokens by entropy only.
+    ``off_policy_mask_threshold`` δ drops negative-advantage sequences that drifted more than δ
+    from the sampler. ``cast_lm_head_to_fp32`` projects the output layer in float32 when computing
+    log-probs and entropies (policy and reference), whatever the autocast.
     """
 
     default_loss = "dapo"
@@ -57,6 +77,15 @@ class GRPOParams(OnlineParams):
     vespo_lambda_pos: float = attrs.field(default=3.0, validator=positive)
     vespo_k_neg: float = attrs.field(default=3.0, validator=non_negative)
     vespo_lambda_neg: float = attrs.field(default=2.0, validator=positive)
+    top_entropy_quantile: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0))
+    entropy_coef: float = attrs.field(default=0.0, validator=finite)
+    use_adaptive_entropy: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    entropy_target: float = attrs.field(default=0.2, validator=finite)
+    entropy_coef_delta: float = attrs.field(default=0.005, validator=non_negative)
+    entropy_coef_min: float = attrs.field(default=0.0, validator=finite)
+    entropy_coef_max: float = attrs.field(default=1.0, validator=finite)
+    off_policy_mask_threshold: float | None = attrs.field(default=None, validator=attrs.validators.optional(finite))
+    cast_lm_head_to_fp32: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -69,6 +98,15 @@ class GRPOParams(OnlineParams):
         if self.advantage_estimator is not None and self.multi_objective_aggregation != "sum_then_normalize":
             raise PlaitError("GRPOConfig: advantage_estimator names the estimator itself; drop "
                              "multi_objective_aggregation or advantage_estimator")
+
+    def loss_specs(self) -> list[dict]:
+        """The listed losses, plus the entropy bonus the entropy fields ask for."""
+        specs = super().loss_specs()
+        if self.use_adaptive_entropy:  # its parameters are the shared entropy fields
+            specs.append({"name": "grpo.adaptive_entropy_bonus"})
+        elif self.entropy_coef != 0.0:
+            specs.append({"name": "grpo.entropy_bonus", "weight": self.entropy_coef})
+        return specs
 
     def advantage_spec(self) -> str | dict:
         if self.advantage_estimator is not None:
@@ -94,6 +132,41 @@ class GRPOTrainer(OnlineTrainer):
 
     def advantages(self, rewards, *, batch, old_logps, ref_logps) -> torch.Tensor:
         return self.estimator(self.gather_rollout(rewards))
+
+    def token_logprobs(self, model, input_ids, attention_mask=None, **kwargs):
+        return super().token_logprobs(model, input_ids, attention_mask,
+                                      cast_lm_head_to_fp32=self.args.params.cast_lm_head_to_fp32, **kwargs)
+
+    def after_init(self) -> None:
+        super().after_init()
+        if self.args.params.cast_lm_head_to_fp32:  # refuse an output layer it cannot upcast before training
+            fp32_projection(extract_model_from_parallel(self.model_wrapped).get_output_embeddings())
+
+    # -- losses that keep state across optimizer steps (the adaptive entropy coefficient) --------
+    # A loss's params may define end_optimizer_step(reduce) -> metrics, state_dict() and
+    # load_state_dict(state): called after each optimizer step's last micro-batch, and saved and
+    # restored with checkpoints.
+    def _stateful_terms(self) -> dict[str, Any]:
+        return {f"{i}:{term.name}": term.params for i, term in enumerate(self.objective.terms)
+                if hasattr(term.params, "end_optimizer_step")}
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.model.training and self.accelerator.sync_gradients:  # this optimizer step's last micro-batch
+            for params in self._stateful_terms().values():
+                self.record(params.end_optimizer_step(lambda stats: self.accelerator.reduce(stats, "sum")))
+        return out
+
+    def resume_state(self) -> dict:
+        state = super().resume_state()
+        losses = {key: params.state_dict() for key, params in self._stateful_terms().items()}
+        return {**state, "loss_state": losses} if losses else state
+
+    def load_resume_state(self, state: dict) -> None:
+        super().load_resume_state(state)
+        for key, params in self._stateful_terms().items():
+            if key in state.get("loss_state", {}):
+                params.load_state_dict(state["loss_state"][key])
 
     def clip_ratio(self, batch: PolicyTokens) -> torch.Tensor:
         level = self.args.params.importance_sampling_level or "token"
