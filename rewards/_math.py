@@ -7,7 +7,9 @@ Not a plugin (the leading underscore): the accuracy-style rewards share it. math
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
+
+import attrs
 
 from plait.errors import PlaitError
 
@@ -89,3 +91,19 @@ def log_judgements(log_extra, solution: list, judgements: list[tuple[float | Non
         log_extra("solution", list(solution))
         log_extra("gold_parsed", [gold for _, gold, _ in judgements])
         log_extra("answer_parsed", [answer for _, _, answer in judgements])
+
+
+@attrs.frozen
+class NoParameters:
+    """The parameters of a TRL-named reward function registered by name: none."""
+
+
+def checked_when_resolved(fn: Callable, name: str) -> Callable[[NoParameters], Callable]:
+    """A factory for registering ``fn`` under ``name`` that checks math-verify when the run is
+    configured (``plait grpo --check``), not at the first reward call."""
+
+    def make(params: NoParameters) -> Callable:
+        require_math_verify(name)
+        return fn
+
+    return make

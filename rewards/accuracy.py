@@ -17,7 +17,7 @@ import attrs
 from plait import hookimpl
 from plait.scoring import completion_text
 
-from ._math import column_of, judge, log_judgements, require_math_verify
+from ._math import NoParameters, checked_when_resolved, column_of, judge, log_judgements, require_math_verify
 
 NAME = "accuracy"
 
@@ -58,4 +58,4 @@ def make_accuracy(params: Accuracy) -> Accuracy:
 @hookimpl
 def register_rewards(register):
     register("reward.accuracy", make_accuracy, params=Accuracy)
-    register("reward.accuracy_reward", accuracy_reward, doc="TRL 1.16's accuracy_reward: reward.accuracy with latex_only=True.")
+    register("reward.accuracy_reward", checked_when_resolved(accuracy_reward, "accuracy_reward"), params=NoParameters, doc="TRL 1.16's accuracy_reward: reward.accuracy with latex_only=True.")

@@ -18,7 +18,7 @@ import attrs
 from plait import hookimpl
 from plait.scoring import completion_text
 
-from ._math import column_of, judge, log_judgements, require_math_verify
+from ._math import NoParameters, checked_when_resolved, column_of, judge, log_judgements, require_math_verify
 
 NAME = "reasoning_accuracy"
 
@@ -82,5 +82,5 @@ def make_reasoning_accuracy(params: ReasoningAccuracy) -> ReasoningAccuracy:
 @hookimpl
 def register_rewards(register):
     register("reward.reasoning_accuracy", make_reasoning_accuracy, params=ReasoningAccuracy)
-    register("reward.reasoning_accuracy_reward", reasoning_accuracy_reward,
+    register("reward.reasoning_accuracy_reward", checked_when_resolved(reasoning_accuracy_reward, "reasoning_accuracy_reward"), params=NoParameters,
              doc="TRL 1.16's reasoning_accuracy_reward: reward.reasoning_accuracy with latex_only=True.")

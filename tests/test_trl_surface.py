@@ -498,3 +498,18 @@ def test_grpo_recipe_with_trls_reward_name_trains(tiny_model_path, tmp_path):
     logged = [entry for entry in state["log_history"] if "rewards/think_format_reward/mean" in entry]
     assert len(logged) == 2  # the tiny model never writes <think>…</think>: TRL's rule scores 0
     assert all(entry["rewards/think_format_reward/mean"] == 0.0 for entry in logged)
+
+
+def test_trl_accuracy_names_without_math_verify_fail_when_resolved(monkeypatch):
+    import sys
+
+    from plait import PlaitError, make_plugins
+
+    for module in [m for m in sys.modules if m.startswith(("plait.rewards.", "math_verify"))]:
+        monkeypatch.delitem(sys.modules, module)
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # makes `import math_verify` fail
+    fresh = make_plugins()
+    for name in ("accuracy_reward", "reasoning_accuracy_reward"):
+        with pytest.raises(PlaitError, match=rf"reward '{name}' needs math-verify.*pip install 'plait\[math\]'"):
+            resolve_reward_funcs([name], fresh)
+    assert resolve_reward_funcs(["think_format_reward"], fresh)[0].name == "think_format_reward"
