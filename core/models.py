@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import hashlib
 import json
@@ -12,15 +13,37 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
+import attrs
 import torch
 from accelerate.utils import is_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
 
-from . import preflight
+from . import chat, preflight
 from .errors import PlaitError
+from .params import in_range, positive
 
 logger = logging.getLogger("plait")
 T = TypeVar("T")
+
+
+_TRUST_REMOTE_CODE = contextvars.ContextVar("plait_trust_remote_code", default=False)
+
+
+@contextlib.contextmanager
+def remote_code(trusted: bool):
+    """While open, every model, config and tokenizer plait loads by path or id runs the code its
+    folder names (``auto_map``) only if ``trusted``: a Config's ``trust_remote_code``, in force for
+    the policy, the reference, a teacher, value and reward models and their tokenizers alike."""
+    token = _TRUST_REMOTE_CODE.set(bool(trusted))
+    try:
+        yield
+    finally:
+        _TRUST_REMOTE_CODE.reset(token)
+
+
+def pretrained_kwargs() -> dict[str, Any]:
+    """What every ``from_pretrained`` plait calls passes (see :func:`remote_code`)."""
+    return {"trust_remote_code": _TRUST_REMOTE_CODE.get()}
 
 
 def load_model(model: str | PreTrainedModel, init_kwargs: dict | None = None, auto_class=AutoModelForCausalLM,
@@ -32,7 +55,7 @@ def load_model(model: str | PreTrainedModel, init_kwargs: dict | None = None, au
                              "load the model with them yourself or pass the path")
         return model
     preflight.model_source(model, field, init_kwargs)
-    kwargs = dict(init_kwargs or {})
+    kwargs = {**pretrained_kwargs(), **(init_kwargs or {})}  # model_init_kwargs may say trust_remote_code itself
     dtype = kwargs.get("dtype", kwargs.pop("torch_dtype", None))
     if isinstance(dtype, str) and dtype != "auto":
         kwargs["dtype"] = getattr(torch, dtype)
@@ -43,21 +66,59 @@ def load_model(model: str | PreTrainedModel, init_kwargs: dict | None = None, au
                          "pass a local folder with config.json and weights") from err
 
 
-def load_tokenizer(model: str | PreTrainedModel, processing_class=None, field: str = "model"):
-    if processing_class is not None:
-        return processing_class
-    source = model if isinstance(model, str) else model.config._name_or_path
-    preflight.model_source(model, field)  # a bad path is named as such, not as a tokenizer problem
-    preflight.tokenizer_files(source, field)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except Exception as err:  # noqa: BLE001 - OSError, ValueError, TypeError, tokenizers' own: all mean "cannot load"
-        message = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise PlaitError(f"{field}={source!r}: its tokenizer cannot be loaded ({type(err).__name__}: {message}); "
-                         "save one next to the model (tokenizer.save_pretrained(folder)) or pass processing_class") from err
-    if tokenizer.pad_token is None:  # training collators need a pad id; EOS is the usual stand-in
+def load_tokenizer(model: str | PreTrainedModel, processing_class=None, field: str = "model", *,
+                   chat_template_path: str | None = None, eos_token: str | None = None, pad_token: str | None = None):
+    """``processing_class``, else the model's own tokenizer, with a Config's overrides applied: the
+    chat template of ``chat_template_path`` (a Jinja file or a tokenizer folder), then ``eos_token``
+    and ``pad_token``, each a token of its vocabulary."""
+    loaded = processing_class is None
+    if loaded:
+        source = model if isinstance(model, str) else model.config._name_or_path
+        preflight.model_source(model, field)  # a bad path is named as such, not as a tokenizer problem
+        preflight.tokenizer_files(source, field)
+        try:
+            processing_class = AutoTokenizer.from_pretrained(source, **pretrained_kwargs())
+        except Exception as err:  # noqa: BLE001 - OSError, ValueError, TypeError, tokenizers' own: all mean "cannot load"
+            message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise PlaitError(f"{field}={source!r}: its tokenizer cannot be loaded ({type(err).__name__}: {message}); "
+                             "save one next to the model (tokenizer.save_pretrained(folder)) or pass processing_class") from err
+    if chat_template_path is not None:
+        chat.load_chat_template(processing_class, chat_template_path)
+    tokenizer = chat.tokenizer_of(processing_class)
+    for name, token in (("eos_token", eos_token), ("pad_token", pad_token)):
+        if token is not None:
+            if token not in tokenizer.get_vocab():
+                raise PlaitError(f"{name}={token!r} is not a token of the tokenizer's vocabulary; give one of its "
+                                 f"tokens (its eos_token is {tokenizer.eos_token!r}, its pad_token {tokenizer.pad_token!r})")
+            setattr(tokenizer, name, token)
+    if loaded and tokenizer.pad_token is None:  # training collators need a pad id; EOS is the usual stand-in
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return processing_class
+
+
+def agree_on_tokens(tokenizer, model: PreTrainedModel, *, eos: bool, pad: bool) -> None:
+    """Make the model agree with the tokenizer's overridden EOS and/or pad token: its config's
+    ids, its generation config's pad id, and the EOS as one more stop token there (any of them
+    ends generation)."""
+    tokenizer = chat.tokenizer_of(tokenizer)
+    config, generation = model.config.get_text_config(), getattr(model, "generation_config", None)
+    if pad:
+        config.pad_token_id = tokenizer.pad_token_id
+        if generation is not None:
+            generation.pad_token_id = tokenizer.pad_token_id
+    if eos:
+        config.eos_token_id = tokenizer.eos_token_id
+        stops = None if generation is None else generation.eos_token_id
+        stops = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
+        if generation is not None and tokenizer.eos_token_id not in stops:
+            generation.eos_token_id = [tokenizer.eos_token_id, *stops]
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """p = 0 in every dropout module: sampling, scoring and the update all see the same function."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
 
 
 def wrap_peft(model: PreTrainedModel, peft_config, gradient_checkpointing: bool = False):
@@ -84,26 +145,38 @@ def check_same_vocabulary(model: PreTrainedModel, other: PreTrainedModel, field:
 class Reference:
     """The frozen policy a method regularises towards.
 
-    Three forms, chosen once at construction: a separate frozen model (a deep copy of the policy
-    by default, or a given ``ref_model``); with PEFT and no ``ref_model``, the policy itself with
-    its adapters disabled (no second copy in memory); or none (precomputed log-probs, beta = 0).
+    One of four forms, chosen once at construction (:meth:`for_policy`): a separate frozen model
+    (a deep copy of the policy by default, or a given ``ref_model``); with ``peft_config`` and no
+    ``ref_model``, the policy itself with its adapters disabled (fresh adapters leave the base
+    model's outputs unchanged, so that is the initial policy, with no second copy in memory); for
+    a policy already wrapped in PEFT, a frozen copy of its active adapter added beside it (the
+    initial policy, adapter included, at the cost of one adapter); or none (precomputed
+    log-probs, beta = 0).
     """
 
-    def __init__(self, model: PreTrainedModel | None, *, adapters_off: bool = False):
+    def __init__(self, model: PreTrainedModel | None, *, adapters_off: bool = False, adapter: str | None = None):
         self.model = model
         self.adapters_off = adapters_off
+        self.adapter = adapter  # the frozen adapter's name, in the policy's PEFT model
         if model is not None:
             model.eval()
             model.requires_grad_(False)
 
     @classmethod
     def for_policy(cls, policy: PreTrainedModel, ref_model: str | PreTrainedModel | None = None,
-                   init_kwargs: dict | None = None) -> "Reference":
-        """Build before the policy is wrapped by PEFT, so the deep copy holds no adapters."""
+                   init_kwargs: dict | None = None, *, peft_config=None) -> "Reference":
+        """Build before the policy is wrapped by ``peft_config``, so a deep copy holds no adapters."""
         if ref_model is not None:
             ref = load_model(ref_model, init_kwargs, field="ref_model")
             check_same_vocabulary(policy, ref, "ref_model")
             return cls(ref)
+        if peft_config is not None:
+            if is_peft_model(policy):  # TRL 1.16 refuses it too
+                raise PlaitError("model is already a PEFT model and peft_config would add adapters on top; merge its "
+                                 "adapter (merge_and_unload) and pass the base model with peft_config, or drop peft_config")
+            return cls.adapters_disabled()
+        if is_peft_model(policy):
+            return cls(None, adapter=_add_frozen_adapter_copy(policy))
         return cls(copy.deepcopy(policy))
 
     @classmethod
@@ -116,7 +189,7 @@ class Reference:
 
     @property
     def available(self) -> bool:
-        return self.model is not None or self.adapters_off
+        return self.model is not None or self.adapters_off or self.adapter is not None
 
     def __call__(self, policy, compute: Callable[[Any], T]) -> T:
         """Run ``compute(model)`` under the reference, without gradients."""
@@ -124,9 +197,22 @@ class Reference:
             if self.adapters_off:
                 with _adapters_disabled(policy):
                     return compute(policy)
+            if self.adapter is not None:
+                with _adapter_active(policy, self.adapter):
+                    return compute(policy)
             if self.model is None:
                 raise PlaitError("no reference model is loaded (beta = 0 or precomputed log-probs)")
             return compute(self.model)
+
+    def check_syncable(self, policy, peft_config) -> None:
+        """Refuse ``sync_ref_model=True`` where there is no separate reference to mix the policy into."""
+        if is_peft_model(policy) or peft_config is not None:
+            raise PlaitError("sync_ref_model=True mixes the policy's weights into a separate reference model, but the "
+                             "policy has PEFT adapters (its reference is the same weights with adapters off or a "
+                             "frozen adapter copy); train without PEFT or set sync_ref_model=False")
+        if self.model is None:
+            raise PlaitError("sync_ref_model=True but no reference model is loaded (beta = 0 uses none); "
+                             "set sync_ref_model=False or beta > 0")
 
     @torch.no_grad()
     def mix_from(self, policy, alpha: float) -> None:
@@ -136,8 +222,77 @@ class Reference:
             param.mul_(1 - alpha).add_(source[name].detach().to(param.dtype), alpha=alpha)
 
 
+@attrs.define(slots=False)  # a mixin: params classes also inherit LossChoice, and two slotted bases cannot mix
+class ReferenceSync:
+    """TR-DPO's knobs (Gorbatovski et al. 2024), shared by every method with a reference; TRL's
+    names and defaults. ``sync_ref_model`` mixes the policy into the reference every
+    ``ref_model_sync_steps`` optimizer steps with weight ``ref_model_mixup_alpha``."""
+
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = attrs.field(default=0.6, validator=in_range(0.0, 1.0))
+    ref_model_sync_steps: int = attrs.field(default=512, validator=positive)
+
+    def __attrs_post_init__(self) -> None:
+        parent = getattr(super(), "__attrs_post_init__", None)
+        if parent is not None:
+            parent()
+        if self.sync_ref_model and getattr(self, "precompute_ref_log_probs", False):
+            raise PlaitError("precompute_ref_log_probs=True cannot be combined with sync_ref_model=True (the cached "
+                             "reference log-probs would go stale); turn one off")
+
+
+class SyncReference(TrainerCallback):
+    """Every ``ref_model_sync_steps`` optimizer steps, mix the policy into the reference (TR-DPO, eq. 4)."""
+
+    def __init__(self, reference: Reference):
+        self.reference = reference
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        p = args.params
+        if state.global_step % p.ref_model_sync_steps == 0:
+            self.reference.mix_from(model, p.ref_model_mixup_alpha)
+
+
 def _unwrap(model):
     return getattr(model, "module", model)
+
+
+# The frozen adapter copy's name: TRL 1.16's, so a saved PEFT folder looks the same.
+REFERENCE_ADAPTER = "ref"
+
+
+def _add_frozen_adapter_copy(policy) -> str:
+    """Add to a PEFT policy a frozen copy of its active adapter; return the copy's name."""
+    active = policy.active_adapter
+    if not isinstance(active, str):
+        raise PlaitError(f"the policy has several active adapters {active!r}; activate one or pass ref_model")
+    if REFERENCE_ADAPTER in policy.peft_config:
+        raise PlaitError(f"the policy already has an adapter named {REFERENCE_ADAPTER!r}; rename or delete it, "
+                         "or pass ref_model")
+    policy.add_adapter(REFERENCE_ADAPTER, copy.deepcopy(policy.peft_config[active]))
+    tensors = {**dict(policy.named_parameters()), **dict(policy.named_buffers())}
+    source, target = f".{active}.", f".{REFERENCE_ADAPTER}."
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            if target in name:
+                tensor.copy_(tensors[name.replace(target, source)])
+                tensor.requires_grad_(False)
+    return REFERENCE_ADAPTER
+
+
+@contextlib.contextmanager
+def _adapter_active(policy, name: str):
+    """``name`` as the policy's only active adapter for the duration; which weights train is left as it was."""
+    model = _unwrap(policy)
+    previous = model.active_adapter
+    trainable = [(p, p.requires_grad) for p in model.parameters()]
+    model.set_adapter(name)
+    try:
+        yield
+    finally:
+        model.set_adapter(previous)
+        for param, flag in trainable:
+            param.requires_grad_(flag)
 
 
 @contextlib.contextmanager

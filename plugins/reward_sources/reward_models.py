@@ -19,6 +19,7 @@ import torch
 
 from plait import hookimpl
 from plait.errors import PlaitError
+from plait.models import pretrained_kwargs
 from plait.scoring import RewardFunction, completion_text
 
 
@@ -78,7 +79,7 @@ def reward_model_function(model: Any, tokenizer: Any = None, *, batch_size: int 
         from transformers import AutoTokenizer
 
         try:
-            tokenizer = AutoTokenizer.from_pretrained(model.config.name_or_path)
+            tokenizer = AutoTokenizer.from_pretrained(model.config.name_or_path, **pretrained_kwargs())
         except Exception as err:  # noqa: BLE001 - any loading failure means the same to the user
             raise PlaitError(f"reward model {where!r}: no tokenizer could be loaded from its name_or_path "
                              f"({type(err).__name__}); pass the model's folder instead") from err
@@ -112,13 +113,14 @@ class DeferredRewardModel:
     path: str
     tokenizer: Any = None
     _scorer: RewardModelScorer | None = None
+    _loading: dict = attrs.field(factory=pretrained_kwargs)  # the run's trust_remote_code, for the later load
 
     def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
         if self._scorer is None:
             from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-            model = AutoModelForSequenceClassification.from_pretrained(self.path)
-            tokenizer = self.tokenizer if self.tokenizer is not None else AutoTokenizer.from_pretrained(self.path)
+            model = AutoModelForSequenceClassification.from_pretrained(self.path, **self._loading)
+            tokenizer = self.tokenizer if self.tokenizer is not None else AutoTokenizer.from_pretrained(self.path, **self._loading)
             self._scorer = reward_model_function(model, tokenizer).fn
         return self._scorer(prompts, completions, **kwargs)
 
@@ -129,7 +131,7 @@ def load_reward_model(path: str, tokenizer: Any = None) -> RewardFunction:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, **pretrained_kwargs())
     except Exception as err:  # noqa: BLE001 - any loading failure means the same to the user
         first = (str(err).strip().splitlines() or [""])[0]
         raise PlaitError(f"reward model {path!r} could not be loaded ({type(err).__name__}: {first}); check the path") from err
