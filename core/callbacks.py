@@ -7,7 +7,7 @@ each is a plain ``transformers.TrainerCallback`` that works on any plait trainer
 * :class:`LogCompletionsCallback`: completions of a few evaluation prompts, every ``freq`` steps,
   as a table (printed, kept in ``.table``, sent to wandb when ``report_to`` names it).
 * :class:`SyncRefModelCallback`: TR-DPO's reference update π_ref ← α·π + (1−α)·π_ref every
-  ``ref_model_sync_steps`` (Gorbatovski et al. 2024, eq. 4), through :meth:`plait.models.Reference.mix_from`.
+  ``ref_model_sync_steps`` (Gorbatovski et al. 2024, eq. 4): plait's :class:`plait.models.SyncReference`.
 * :class:`RichProgressCallback`: progress bars and the logged metrics with ``rich``.
 * :class:`BEMACallback`: bias-corrected EMA of the weights (Block & Zhang 2025, "EMA Without the
   Lag: Bias-Corrected Iterate Averaging").
@@ -26,6 +26,7 @@ import torch
 from transformers import GenerationConfig, TrainerCallback
 
 from .errors import PlaitError
+from .models import Reference, SyncReference
 
 logger = logging.getLogger("plait")
 
@@ -144,22 +145,24 @@ class LogCompletionsCallback(TrainerCallback):
 # ---------------------------------------------------------------------------------------------
 
 
-class SyncRefModelCallback(TrainerCallback):
+class SyncRefModelCallback(SyncReference):
     """Every ``args.ref_model_sync_steps`` steps, mix the policy into ``ref_model`` with weight
     ``args.ref_model_mixup_alpha``: π_ref ← α·π + (1−α)·π_ref (TR-DPO, Gorbatovski et al. 2024,
-    eq. 4). ``accelerator`` unwraps the policy when given (TRL's argument)."""
+    eq. 4). plait's own :class:`plait.models.SyncReference` on a ``ref_model`` given by hand; the
+    fields are read from a plait config's params or, on TRL-style arguments, from ``args`` itself.
+    ``accelerator`` unwraps the policy when given (TRL's argument)."""
 
     def __init__(self, ref_model, accelerator=None):
-        from .models import Reference
-
+        super().__init__(Reference(ref_model) if ref_model is not None else None)
         self.ref_model, self.accelerator = ref_model, accelerator
-        self.reference = Reference(ref_model) if ref_model is not None else None
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        if self.reference is None or state.global_step % args.ref_model_sync_steps != 0:
+        if self.reference is None:
             return
+        from types import SimpleNamespace
+
         policy = self.accelerator.unwrap_model(model) if self.accelerator is not None else model
-        self.reference.mix_from(policy, args.ref_model_mixup_alpha)
+        super().on_step_end(args if hasattr(args, "params") else SimpleNamespace(params=args), state, control, model=policy)
 
 
 # ---------------------------------------------------------------------------------------------
