@@ -95,7 +95,9 @@ def load_chat_template(processing_class: Any, path: str | pathlib.Path) -> None:
     elif path.is_dir():
         from transformers import AutoTokenizer
 
-        template = AutoTokenizer.from_pretrained(path).chat_template
+        from .models import pretrained_kwargs
+
+        template = AutoTokenizer.from_pretrained(path, **pretrained_kwargs()).chat_template
         if not template:
             raise PlaitError(f"chat_template_path={str(path)!r}: that tokenizer has no chat template; point at one that does")
         tokenizer.chat_template = template
@@ -110,24 +112,28 @@ def render(
     tools: Any = None,
     add_generation_prompt: bool = False,
     continue_final_message: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
-    """The template's text for ``messages`` (an empty conversation renders as the empty string)."""
+    """The template's text for ``messages`` (an empty conversation renders as the empty string);
+    ``template_kwargs`` are variables the template reads (e.g. ``enable_thinking``)."""
     if not messages:
         return ""
     tokenizer = tokenizer_of(processing_class)
     return tokenizer.apply_chat_template(
         list(messages), tools=tools or None, tokenize=False,
         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+        **(template_kwargs or {}),
     )
 
 
-def render_prompt(processing_class: Any, prompt: Sequence[Mapping[str, Any]], *, tools: Any = None) -> str:
+def render_prompt(processing_class: Any, prompt: Sequence[Mapping[str, Any]], *, tools: Any = None,
+                  template_kwargs: Mapping[str, Any] | None = None) -> str:
     """Render a prompt for generation: continue a final assistant turn, else open a new one."""
     continued = bool(prompt) and prompt[-1]["role"] == "assistant"
     if not prompt:
         return _assistant_header(processing_class, tools)
-    return render(processing_class, prompt, tools=tools,
-                  add_generation_prompt=not continued, continue_final_message=continued)
+    return render(processing_class, prompt, tools=tools, add_generation_prompt=not continued,
+                  continue_final_message=continued, template_kwargs=template_kwargs)
 
 
 def encode(processing_class: Any, text: str, *, special_tokens: bool) -> list[int]:

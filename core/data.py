@@ -239,6 +239,7 @@ class Encoder:
     truncation_mode: str = "keep_start"
     completion_only_loss: bool | None = None
     assistant_only_loss: bool = False
+    chat_template_kwargs: dict | None = None  # template variables for rendering prompts (prompt_only)
 
     @property
     def eos(self) -> list[int]:
@@ -406,7 +407,8 @@ def _encode_unpaired(row: dict, enc: Encoder, kind: str) -> Encoded:
 def _encode_prompt_only(row: dict, enc: Encoder, kind: str) -> Encoded:
     prompt = row["prompt"]
     if chat.is_conversational(prompt):
-        text = chat.render_prompt(enc.processing_class, prompt, tools=row.get("tools"))
+        text = chat.render_prompt(enc.processing_class, prompt, tools=row.get("tools"),
+                                  template_kwargs=enc.chat_template_kwargs)
         ids = chat.encode(enc.processing_class, text, special_tokens=False)
     else:
         ids = chat.encode(enc.processing_class, prompt, special_tokens=True)
@@ -465,6 +467,8 @@ def prepare_dataset(
     on_overlong: str = "drop",
     chat_template_path: str | None = None,
     num_proc: int | None = None,
+    chat_template_kwargs: dict | None = None,
+    text_field: str = "text",
 ):
     """Detect the format of ``dataset`` and tokenise it once for ``task`` (see the module table).
 
@@ -472,7 +476,9 @@ def prepare_dataset(
     under ``max_length`` are dropped with a count (``on_overlong="drop"``) or refused
     (``"error"``); other long rows are truncated per ``truncation_mode`` and reported.
     ``completion_only_loss=None`` trains on completions only for prompt-completion data;
-    ``assistant_only_loss`` trains only on assistant turns of conversations.
+    ``assistant_only_loss`` trains only on assistant turns of conversations. ``chat_template_kwargs``
+    are template variables for rendering conversational prompts (task ``prompt_only``).
+    ``text_field`` names the column read as language-modelling text (TRL's ``dataset_text_field``).
     """
     import datasets
 
@@ -487,6 +493,7 @@ def prepare_dataset(
     if chat_template_path is not None:
         chat.load_chat_template(processing_class, chat_template_path)
     plugins = plugins or _default_plugins()
+    dataset = read_text_from(dataset, text_field, plugins)
 
     component = detect_format(dataset, plugins)
     fmt: DataFormat = component.obj
@@ -506,7 +513,8 @@ def prepare_dataset(
         _, sample = _rows(dataset, 100)
         chat.warn_if_templated(processing_class, [fmt.to_canonical(row) for row in sample], text_fields)
 
-    encoder = Encoder(processing_class, max_length, truncation_mode, completion_only_loss, assistant_only_loss)
+    encoder = Encoder(processing_class, max_length, truncation_mode, completion_only_loss, assistant_only_loss,
+                      chat_template_kwargs)
     expand = spec.accepts[fmt.kind] or (lambda row: [row])
     keep = task == "prompt_only"
 
@@ -534,6 +542,34 @@ def prepare_dataset(
         desc=f"plait: tokenising {component.name} for {task}",
     )
     return _apply_row_policies(processed, len(dataset), max_length, on_overlong, truncation_mode)
+
+
+def read_text_from(dataset: Any, text_field: str, plugins: Any):
+    """``dataset`` with its column ``text_field`` as the language-modelling ``text`` column.
+
+    As in TRL, only that column is read as text (a ``text`` column beside it is dropped), and
+    datasets of another shape (prompt-completion, conversations) do not read it at all.
+    """
+    if not isinstance(text_field, str) or not text_field:
+        raise PlaitError(f"dataset_text_field={text_field!r} must be a column name")
+    if text_field == "text":
+        return dataset
+    import datasets
+
+    if isinstance(dataset, list):
+        _rows(dataset, None)  # rows of one shape, checked before they become columns
+        dataset = datasets.Dataset.from_list(dataset)
+    columns = list(dataset.column_names)
+    if text_field in columns:
+        return dataset.remove_columns([c for c in columns if c == "text"]).rename_column(text_field, "text")
+    missing = f"dataset_text_field={text_field!r} is not a column of the dataset (columns {sorted(columns)})"
+    if "text" in columns:
+        raise PlaitError(f"{missing}; name the column that holds the text, e.g. dataset_text_field='text'")
+    try:
+        detect_format(dataset, plugins)
+    except PlaitError as err:
+        raise PlaitError(f"{missing}, and no other shape fits: {err}") from None
+    return dataset
 
 
 def _wrong_kind(task: str, spec: Task, component, columns: list[str], plugins) -> str:

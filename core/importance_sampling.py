@@ -10,11 +10,14 @@ corrects for it, and bounding ρ keeps the variance in check (truncated importan
 Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training";
 Ionides 2008, "Truncated Importance Sampling"). Modes:
 
-- ``token_truncate``: min(ρ_t, C); ``token_mask``: ρ_t, or 0 where ρ_t > C (the token is dropped);
+- ``token_truncate``: clamp(ρ_t, C_min, C_max); ``token_mask``: ρ_t, or 0 where ρ_t > C_max or
+  ρ_t < C_min (the token is dropped);
 - ``sequence_truncate`` / ``sequence_mask``: the same with the sequence ratio
   ρ = exp(Σ_t m_t (log π_old − log π_s)) (product over the completion), broadcast to its tokens.
 
-C is the cap (3.0 by default in the online methods). Padding (m_t = 0) contributes a log-ratio of 0.
+C_max is the cap (``vllm_importance_sampling_clip_max``, 3.0 by default in the online methods),
+C_min the floor (``vllm_importance_sampling_clip_min``, none by default); a bound that is None
+does not bound. Padding (m_t = 0) contributes a log-ratio of 0.
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ METRICS = tuple(f"sampling/{name}" for name in (
 _LOG_RATIO_LIMIT = math.log(1e6)  # exp of a larger log-ratio is capped or masked anyway; avoids inf * 0
 
 
-def importance_weights(trainer_logps: Tensor, sampler_logps: Tensor, mask: Tensor, mode: str, cap: float) -> Tensor:
+def importance_weights(trainer_logps: Tensor, sampler_logps: Tensor, mask: Tensor, mode: str, cap: float | None,
+                       floor: float | None = None) -> Tensor:
     """Per-token weights ``[B, T]`` for the policy term: the (sequence or token) ratio π_old/π_s,
-    truncated at ``cap`` (``*_truncate``) or zeroed above it (``*_mask``).
+    clamped to [``floor``, ``cap``] (``*_truncate``) or zeroed outside it (``*_mask``); None leaves
+    that side unbounded.
 
     ``trainer_logps`` and ``sampler_logps`` ``[B, T]`` are the log-probs of the sampled completion
     tokens under the trainer (π_old) and the sampler; ``mask`` ``[B, T]`` marks real tokens.
@@ -45,25 +50,31 @@ def importance_weights(trainer_logps: Tensor, sampler_logps: Tensor, mask: Tenso
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(trainer_logps)
     ratio = torch.exp(log_ratio.clamp(max=_LOG_RATIO_LIMIT))
     if mode.endswith("truncate"):
-        return ratio.clamp(max=cap)
-    return ratio.masked_fill(ratio > cap, 0.0)
+        return ratio if cap is None and floor is None else ratio.clamp(min=floor, max=cap)
+    return ratio.masked_fill(_outside(ratio, cap, floor), 0.0)
+
+
+def _outside(ratio: Tensor, cap: float | None, floor: float | None) -> Tensor:
+    high = ratio > cap if cap is not None else torch.zeros_like(ratio, dtype=torch.bool)
+    return high | (ratio < floor) if floor is not None else high
 
 
 def importance_sampling_metrics(trainer_logps: Tensor, sampler_logps: Tensor, mask: Tensor, mode: str,
-                                cap: float) -> dict[str, float]:
+                                cap: float | None, floor: float | None = None) -> dict[str, float]:
     """How far the sampler is from the trainer, over the real tokens (TRL's metric names).
 
     ``sampling/sampling_logp_difference/{mean,max}``: |log π_old − log π_s| per token;
     ``sampling/importance_sampling_ratio/{min,mean,max}``: the weights :func:`importance_weights`
     applies; ``sampling/importance_sampling_ratio/bounded_fraction``: the share of tokens whose
-    (token or sequence) ratio exceeded ``cap`` and was truncated or masked. NaN when no token is real.
+    (token or sequence) ratio lay outside [``floor``, ``cap``] and was truncated or masked. NaN when no token is real.
     """
     real = mask.bool()
     if not real.any():  # NaN, not absent: every process records the same names (they are gathered)
         return dict.fromkeys(METRICS, math.nan)
     gap = (trainer_logps - sampler_logps).abs()[real]
-    applied = importance_weights(trainer_logps, sampler_logps, mask, mode, cap)[real]
+    applied = importance_weights(trainer_logps, sampler_logps, mask, mode, cap, floor)[real]
     level = "sequence_truncate" if mode.startswith("sequence") else "token_truncate"
-    ratio = importance_weights(trainer_logps, sampler_logps, mask, level, math.inf)[real]
-    values = (gap.mean(), gap.max(), applied.min(), applied.mean(), applied.max(), (ratio > cap).float().mean())
+    ratio = importance_weights(trainer_logps, sampler_logps, mask, level, None)[real]
+    values = (gap.mean(), gap.max(), applied.min(), applied.mean(), applied.max(),
+              _outside(ratio, cap, floor).float().mean())
     return {name: value.item() for name, value in zip(METRICS, values)}

@@ -22,6 +22,7 @@ ratio its clip metrics use. Nothing here names a concrete loss, reward, estimato
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any, Callable, ClassVar
@@ -31,15 +32,14 @@ import torch
 from torch import Tensor
 from torch.utils.data import Sampler
 
-from .batches import PolicyTokens, Rollout, masked_mean
+from .batches import PolicyTokens, Rollout, gather_ragged, masked_mean
 from .chat import is_conversational
 from .errors import PlaitError
-from .generation import Generations, SamplingParams
+from .generation import GenerationChoice, Generations, padding_multiple, padded_width, resolve_backend
 from .importance_sampling import importance_sampling_metrics, importance_weights
-from .logprobs import token_logprobs
-from .models import Reference
+from .models import Reference, ReferenceSync, SyncReference
 from .objective import LossChoice, Objective
-from .params import in_range, int_at_least, non_negative, one_of, positive
+from .params import int_at_least, non_negative, one_of, positive
 from .scoring import (RewardChoice, UnscoredBatches, compute_rewards, resolve_advantage_estimator, resolve_reward_funcs, reward_metrics,
                       reward_weights)
 from .trainer import PlaitTrainer
@@ -52,29 +52,32 @@ def _optional(validator):
 
 
 @attrs.define
-class OnlineParams(LossChoice, RewardChoice):
+class OnlineParams(ReferenceSync, GenerationChoice, LossChoice, RewardChoice):
     """Knobs every online method shares, its losses included; names and defaults follow TRL's GRPOConfig.
+    How completions are sampled and logged is :class:`plait.generation.GenerationChoice`.
+
+    ``num_generations_eval`` completions per prompt are sampled in evaluation (None: ``num_generations``).
+    The sampler's importance ratio ρ (see :mod:`plait.importance_sampling`) is bounded to
+    [``vllm_importance_sampling_clip_min``, ``vllm_importance_sampling_clip_max``] (None: unbounded on
+    that side): truncated there by the ``*_truncate`` modes, zeroed outside by the ``*_mask`` modes.
+    ``vllm_importance_sampling_cap`` is TRL's deprecated name for the upper bound; when given it wins.
 
     Subclasses name their ``default_loss``."""
 
     # generation
     num_generations: int = attrs.field(default=8, validator=int_at_least(2))
+    num_generations_eval: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
     generation_batch_size: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
     steps_per_generation: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
     max_prompt_length: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
-    max_completion_length: int = attrs.field(default=256, validator=int_at_least(1))
+    max_completion_length: int = attrs.field(default=512, validator=int_at_least(1))
     temperature: float = attrs.field(default=1.0, validator=positive)
-    top_p: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
-    top_k: int | None = attrs.field(default=None, validator=_optional(int_at_least(0)))
-    min_p: float | None = attrs.field(default=None, validator=_optional(in_range(0.0, 1.0)))
-    repetition_penalty: float = attrs.field(default=1.0, validator=positive)
-    generation_kwargs: dict | None = None
-    generation_backend: str = "transformers"
-    generation_max_batch_size: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
     # sampler/trainer mismatch (backends that report log-probs, e.g. a bf16 vLLM engine)
     vllm_importance_sampling_correction: bool = True
     vllm_importance_sampling_mode: str = attrs.field(default="sequence_mask", validator=one_of(IS_MODES))
-    vllm_importance_sampling_cap: float = attrs.field(default=3.0, validator=positive)
+    vllm_importance_sampling_clip_max: float | None = attrs.field(default=3.0, validator=_optional(positive))
+    vllm_importance_sampling_clip_min: float | None = attrs.field(default=None, validator=_optional(non_negative))
+    vllm_importance_sampling_cap: float | None = attrs.field(default=None, validator=_optional(positive))
     # optimisation
     num_iterations: int = attrs.field(default=1, validator=int_at_least(1))
     epsilon: float = attrs.field(default=0.2, validator=positive)
@@ -83,19 +86,31 @@ class OnlineParams(LossChoice, RewardChoice):
     beta: float = attrs.field(default=0.0, validator=non_negative)
     mask_truncated_completions: bool = False
     shuffle_dataset: bool = True
-    # logging
-    log_completions: bool = False
-    num_completions_to_print: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
     # models and data
     model_init_kwargs: dict | None = None
     dataset_num_proc: int | None = None
 
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            max_completion_length=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-            generation_kwargs=dict(self.generation_kwargs or {}),
-        )
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        low, high = self.importance_sampling_bounds()
+        if low is not None and high is not None and low >= high:
+            raise PlaitError(f"vllm_importance_sampling_clip_min={low} must be below vllm_importance_sampling_clip_max="
+                             f"{high}; lower the first or raise the second")
+        if (self.vllm_importance_sampling_correction and self.vllm_importance_sampling_mode.endswith("truncate")
+                and low is None and high is None):
+            raise PlaitError(f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} truncates the ratio "
+                             "but neither vllm_importance_sampling_clip_min nor vllm_importance_sampling_clip_max is "
+                             "set; set one (e.g. vllm_importance_sampling_clip_max=3.0)")
+
+    def importance_sampling_bounds(self) -> tuple[float | None, float | None]:
+        """(C_min, C_max) of the importance ratio; TRL's deprecated ``vllm_importance_sampling_cap``,
+        when given, is C_max."""
+        high = self.vllm_importance_sampling_cap
+        return self.vllm_importance_sampling_clip_min, (self.vllm_importance_sampling_clip_max if high is None else high)
+
+    def generations_per_prompt(self, training: bool) -> int:
+        """Completions per prompt: ``num_generations`` in training, ``num_generations_eval`` (when set) in evaluation."""
+        return self.num_generations if training or self.num_generations_eval is None else self.num_generations_eval
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,13 +282,49 @@ class PromptData:
 
         p = args.params
         return prepare_dataset(dataset, processing_class, "prompt_only", plugins=self.plugins,
-                               max_length=p.max_prompt_length, num_proc=p.dataset_num_proc)
+                               max_length=p.max_prompt_length, num_proc=p.dataset_num_proc,
+                               chat_template_kwargs=p.chat_template_kwargs)
 
     def make_collator(self, processing_class, args):
         return self.plugins.collators.get("collator.prompt_only").obj(processing_class)
 
 
-class OnlineTrainer(PromptData, PlaitTrainer):
+class CompletionsTable:
+    """The completions table of a trainer that learns from its own samples (``log_completions``):
+    the rows of the latest rollout (step, prompt, completion, per-row numbers such as rewards) are
+    printed at the next log, ``num_completions_to_print`` of them, and all are sent to wandb when
+    ``report_to`` includes it; ``log_unique_prompts`` keeps one row per prompt.
+    Shared by :class:`OnlineTrainer` and the on-policy PPO/distillation base."""
+
+    _completions_table: list[dict] = []
+
+    def keep_completions(self, prompts: list, texts: list[str], **columns) -> None:
+        if self.args.params.log_completions:
+            self._completions_table = [
+                {"step": self.state.global_step, "prompt": prompt_text(prompt), "completion": text,
+                 **{name: float(values[i]) for name, values in columns.items()}}
+                for i, (prompt, text) in enumerate(zip(prompts, texts))
+            ]
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        super().log(logs, start_time)
+        p = self.args.params
+        rows, self._completions_table = self._completions_table, []
+        if not rows or not self.accelerator.is_main_process:
+            return
+        if p.log_unique_prompts:
+            seen: set[str] = set()
+            rows = [row for row in rows if not (row["prompt"] in seen or seen.add(row["prompt"]))]
+        print(format_table(rows[:p.num_completions_to_print] if p.num_completions_to_print else rows))
+        if "wandb" in (self.args.report_to or []):
+            import wandb
+
+            if wandb.run is not None:
+                columns = list(rows[0])
+                wandb.log({"completions": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])})
+
+
+class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
     """Base of GRPO/RLOO trainers. Subclasses set ``method``, ``config_class``, ``loss_family``
     and ``shared_loss_fields``, give their params an ``advantage_spec()``, and implement
     :meth:`advantages`."""
@@ -303,11 +354,12 @@ class OnlineTrainer(PromptData, PlaitTrainer):
                              "set remove_unused_columns=False (the default of online methods)")
         self.sizes = generation_sizes(args)
         if args.eval_strategy != "no":
-            eval_rows = args.per_device_eval_batch_size * args.world_size
-            if eval_rows % p.num_generations:
+            eval_rows, g = args.per_device_eval_batch_size * args.world_size, p.generations_per_prompt(training=False)
+            if eval_rows % g:
+                name = "num_generations" if p.num_generations_eval is None else "num_generations_eval"
                 raise PlaitError(
                     f"per_device_eval_batch_size {args.per_device_eval_batch_size} × {args.world_size} processes = "
-                    f"{eval_rows} is not divisible by num_generations={p.num_generations}; make it a multiple")
+                    f"{eval_rows} is not divisible by {name}={g}; make it a multiple")
         specs = self._reward_specs
         if specs is not None and p.reward_funcs is not None:
             raise PlaitError("reward functions are given both as the reward_funcs argument and in the config's "
@@ -321,7 +373,10 @@ class OnlineTrainer(PromptData, PlaitTrainer):
             raise PlaitError(f"reward_weights has {len(p.reward_weights)} values for {len(entries)} reward functions; "
                              "give one weight per reward function")
         self.objective = self.build_objective(p)
-        self.plugins.generation_backends.get(p.generation_backend, family="generation")  # unknown names fail now
+        if p.sync_ref_model and not self.uses_reference(p):  # TRL 1.16 refuses it too
+            raise PlaitError(f"sync_ref_model=True but beta={p.beta} uses no reference model, so there is nothing to "
+                             "sync; set sync_ref_model=False or beta > 0")
+        self.backend_component = resolve_backend(self.plugins, args)  # unknown names and options fail now
         self.reward_funcs = self._resolve_rewards(entries)
         self.reward_weights = reward_weights(self.reward_funcs, p.reward_weights)
 
@@ -357,9 +412,10 @@ class OnlineTrainer(PromptData, PlaitTrainer):
         if kwargs:
             raise PlaitError(f"{type(self).__name__} got unexpected arguments {sorted(kwargs)}")
         if self.uses_reference(args.params):
-            # With adapters the reference is the same weights with adapters off: no second copy.
-            self.reference = (Reference.adapters_disabled() if self.peft_config is not None
-                              else Reference.for_policy(model))
+            # With adapters the reference is the same weights with adapters off (or a frozen adapter copy)
+            self.reference = Reference.for_policy(model, peft_config=self.peft_config)
+            if args.params.sync_ref_model:
+                self.reference.check_syncable(model, self.peft_config)
         else:
             self.reference = Reference.none()  # beta = 0: no reference model at all
         return model
@@ -369,12 +425,14 @@ class OnlineTrainer(PromptData, PlaitTrainer):
         self.loss_is_scaled_for_ga = True  # every loss plugin normalises for accumulation itself
         if self.reference.model is not None:
             self.reference.model = self.accelerator.prepare_model(self.reference.model, evaluation_mode=True)
-        factory = self.plugins.generation_backends.get(p.generation_backend, family="generation").obj
-        self.backend = factory(self.model, self.processing_class, self.args)
+        if p.sync_ref_model:
+            self.add_callback(SyncReference(self.reference))
+        self.backend = self.backend_component.obj(self.model, self.processing_class, self.args)
         self.backend.start()
         self._synced_step = -1
-        self.buffer = RolloutBuffer(self.sizes.steps_per_generation, p.num_iterations, _split, self.args.seed)
-        self._completions_table: list[dict] = []
+        self.padding_multiple = padding_multiple(p.pad_to_multiple_of, self.accelerator.device)
+        split = functools.partial(split_rows, multiple=self.padding_multiple)
+        self.buffer = RolloutBuffer(self.sizes.steps_per_generation, p.num_iterations, split, self.args.seed)
         self.unscored = UnscoredBatches([f.name for f in self.reward_funcs], p.max_unscored_batches)
 
     # -- data loading -------------------------------------------------------------------------
@@ -393,9 +451,14 @@ class OnlineTrainer(PromptData, PlaitTrainer):
                             shuffle=p.shuffle_dataset, seed=self.args.seed)
 
     def _get_eval_sampler(self, eval_dataset):
-        p = self.args.params
-        prompts = self.args.per_device_eval_batch_size * self.args.world_size // p.num_generations
-        return GroupSampler(len(eval_dataset) // prompts * prompts, p.num_generations, prompts, shuffle=False)
+        g = self.args.params.generations_per_prompt(training=False)
+        prompts = self.args.per_device_eval_batch_size * self.args.world_size // g
+        return GroupSampler(len(eval_dataset) // prompts * prompts, g, prompts, shuffle=False)
+
+    @property
+    def group_size(self) -> int:
+        """Completions per prompt in the rollout being built (evaluation may use fewer)."""
+        return self.args.params.generations_per_prompt(training=self.model.training)
 
     # -- the buffer ---------------------------------------------------------------------------
     def _prepare_inputs(self, inputs):
@@ -425,10 +488,10 @@ class OnlineTrainer(PromptData, PlaitTrainer):
         prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(inputs["input_ids"], inputs["attention_mask"])]
         prompts = inputs["prompt"]
         columns = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "prompt")}
-        n, g = len(prompt_ids), p.num_generations
+        n, g = len(prompt_ids), self.group_size
 
         generations = self.generate(prompt_ids, g)
-        batch = _pack(prompt_ids, generations, self._pad_id(), device)
+        batch = pack(prompt_ids, generations.completion_ids, self._pad_id(), device, self.padding_multiple)
         completion_mask = batch["completion_mask"]
         finished = torch.tensor(generations.finished, device=device)
         loss_mask = completion_mask * finished.unsqueeze(-1) if p.mask_truncated_completions else completion_mask
@@ -438,13 +501,14 @@ class OnlineTrainer(PromptData, PlaitTrainer):
             ref = None
             if self.reference.available:
                 ref = self.reference(self.model_wrapped, lambda m: self.logps_of(m, batch))
-        weights = None
-        if generations.logprobs is not None and p.vllm_importance_sampling_correction:
+        weights = sampler = None
+        if generations.logprobs is not None:  # the sampler's own log-probs (off-policy masking reads them too)
             sampler = _pad_floats(generations.logprobs, batch["completion_mask"].shape[1], device)
-            weights = importance_weights(old, sampler, completion_mask, p.vllm_importance_sampling_mode,
-                                         p.vllm_importance_sampling_cap)
+        if sampler is not None and p.vllm_importance_sampling_correction:
+            low, high = p.importance_sampling_bounds()
+            weights = importance_weights(old, sampler, completion_mask, p.vllm_importance_sampling_mode, high, low)
             self.record(importance_sampling_metrics(old, sampler, completion_mask, p.vllm_importance_sampling_mode,
-                                                    p.vllm_importance_sampling_cap))
+                                                    high, low))
 
         completions = [[{"role": "assistant", "content": t}] if is_conversational(pr) else t
                        for t, pr in zip(generations.texts, prompts)]
@@ -464,14 +528,16 @@ class OnlineTrainer(PromptData, PlaitTrainer):
         if self.model.training:  # ... scaled to the share of the generation batch one optimizer step sees
             per_step = per_step * self.args.gradient_accumulation_steps / self.sizes.steps_per_generation
         self._record_rollout(everyone, completion_mask, finished, advantages)
-        if p.log_completions:
-            self._keep_completions(prompts, generations.texts, everyone[start:start + n], local)
+        scores = everyone[start:start + n]
+        self.keep_completions(prompts, generations.texts, **{f.name: scores[:, k] for k, f in enumerate(self.reward_funcs)},
+                              advantage=local)
         out = {
             "input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "completion_mask": loss_mask,
             "advantages": local, "prompt_length": batch["prompt_length"],
             "num_items_in_batch": per_step,
         }
-        for key, value in (("old_logps", old), ("ref_logps", ref), ("importance_weights", weights)):
+        for key, value in (("old_logps", old), ("ref_logps", ref), ("importance_weights", weights),
+                           ("sampling_logps", sampler)):
             if value is not None:
                 out[key] = value
         return out
@@ -499,8 +565,8 @@ class OnlineTrainer(PromptData, PlaitTrainer):
         parts = []
         for start in range(0, batch["input_ids"].shape[0], size):
             rows = slice(start, start + size)
-            out = token_logprobs(model, batch["input_ids"][rows], batch["attention_mask"][rows],
-                                 temperature=self.args.params.temperature)
+            out = self.token_logprobs(model, batch["input_ids"][rows], batch["attention_mask"][rows],
+                                      temperature=self.args.params.temperature)
             parts.append(out.logps[:, width:].float())
         return torch.cat(parts)
 
@@ -512,14 +578,14 @@ class OnlineTrainer(PromptData, PlaitTrainer):
         raise NotImplementedError
 
     def gather_rollout(self, rewards: Tensor) -> Rollout:
-        return Rollout(rewards=rewards.float().cpu(), weights=self.reward_weights, group_size=self.args.params.num_generations)
+        return Rollout(rewards=rewards.float().cpu(), weights=self.reward_weights, group_size=self.group_size)
 
     # -- the loss ------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         p = self.args.params
         width = inputs["prompt_length"]
-        out = token_logprobs(model, inputs["input_ids"], inputs["attention_mask"], temperature=p.temperature,
-                             with_entropy=True)
+        out = self.token_logprobs(model, inputs["input_ids"], inputs["attention_mask"], temperature=p.temperature,
+                                  with_entropy=True)
         logps, mask = out.logps[:, width:], inputs["completion_mask"]
         training = self.model.training
         batch = PolicyTokens(
@@ -528,6 +594,8 @@ class OnlineTrainer(PromptData, PlaitTrainer):
             num_items_in_batch=inputs["num_items_in_batch"],
             gradient_accumulation_steps=self.current_gradient_accumulation_steps if training else 1,
             max_completion_length=p.max_completion_length,
+            entropy=out.entropy[:, width:], sampling_logps=inputs.get("sampling_logps"),
+            gather=functools.partial(gather_ragged, self.accelerator),
         )
         loss, parts = self.objective(batch)
         metrics = {"entropy": masked_mean(out.entropy[:, width:].detach(), mask)}
@@ -565,8 +633,7 @@ class OnlineTrainer(PromptData, PlaitTrainer):
 
     # -- metrics and completions --------------------------------------------------------------
     def _record_rollout(self, rewards: Tensor, completion_mask: Tensor, finished: Tensor, advantages: Tensor) -> None:
-        metrics = reward_metrics(rewards.cpu(), [f.name for f in self.reward_funcs], self.args.params.num_generations,
-                                 self.reward_weights)
+        metrics = reward_metrics(rewards.cpu(), [f.name for f in self.reward_funcs], self.group_size, self.reward_weights)
         lengths = self.accelerator.gather(completion_mask.sum(-1).float())
         done = self.accelerator.gather(finished.float())
         metrics.update({
@@ -579,27 +646,6 @@ class OnlineTrainer(PromptData, PlaitTrainer):
             metrics["num_tokens"] = self._tokens_seen
         self.record(metrics)
 
-    def _keep_completions(self, prompts, texts, rewards: Tensor, advantages: Tensor) -> None:
-        names = [f.name for f in self.reward_funcs]
-        self._completions_table = [
-            {"step": self.state.global_step, "prompt": prompt_text(prompt), "completion": text,
-             **{name: float(r) for name, r in zip(names, row.tolist())}, "advantage": float(a)}
-            for prompt, text, row, a in zip(prompts, texts, rewards, advantages)
-        ]
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        super().log(logs, start_time)
-        rows, self._completions_table = getattr(self, "_completions_table", []), []
-        if rows and self.args.params.log_completions and self.accelerator.is_main_process:
-            limit = self.args.params.num_completions_to_print
-            print(format_table(rows[:limit] if limit else rows))
-            if "wandb" in (self.args.report_to or []):
-                import wandb
-
-                if wandb.run is not None:
-                    columns = list(rows[0])
-                    wandb.log({"completions": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])})
-
     def _pad_id(self) -> int:
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -610,14 +656,19 @@ class OnlineTrainer(PromptData, PlaitTrainer):
 # ---------------------------------------------------------------------------------------------
 
 
-def _pack(prompt_ids: list[list[int]], generations: Generations, pad_id: int, device) -> dict:
-    """Left-padded prompts then right-padded completions: ``input_ids`` [N, P + C] and masks."""
+def pack(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int, device,
+         multiple: int | None = None) -> dict:
+    """Left-padded prompts then right-padded completions: ``input_ids`` [N, P + C] and masks.
+
+    ``completion_mask`` [N, C] marks the sampled tokens; ``prompt_length`` is P, where completions
+    start. With ``multiple`` (``pad_to_multiple_of``) P and C are rounded up to multiples of it.
+    """
     n = len(prompt_ids)
-    width = max(len(ids) for ids in prompt_ids)
-    length = max(1, max(len(ids) for ids in generations.completion_ids))
+    width = padded_width(max(len(ids) for ids in prompt_ids), multiple)
+    length = padded_width(max(1, max(len(ids) for ids in completion_ids)), multiple)
     input_ids = torch.full((n, width + length), pad_id, dtype=torch.long)
     attention = torch.zeros((n, width + length), dtype=torch.long)
-    for i, (prompt, completion) in enumerate(zip(prompt_ids, generations.completion_ids)):
+    for i, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
         input_ids[i, width - len(prompt):width] = torch.tensor(prompt)
         attention[i, width - len(prompt):width + len(completion)] = 1
         if completion:
@@ -633,23 +684,31 @@ def _pad_floats(rows: list[list[float]], width: int, device) -> Tensor:
     return out.to(device)
 
 
-def _split(buffer: dict, parts: int, generator: torch.Generator) -> list[dict]:
-    """Shuffle the rows of a rollout and cut them into ``parts`` micro-batches (trailing padding trimmed)."""
+def split_rows(buffer: dict, parts: int, generator: torch.Generator, multiple: int | None = None) -> list[dict]:
+    """Shuffle a rollout's rows and cut them into ``parts`` micro-batches, trimming the completion
+    columns that are padding in every row of a micro-batch (to a multiple of ``multiple`` when set).
+
+    Tensors of width P + C (``input_ids``, ``attention_mask``) and of width C (completion-aligned:
+    masks, log-probs, weights) are trimmed alike; tensors that are not per-row (0-dim normalisers) are shared.
+    """
     n = buffer["input_ids"].shape[0]
     if n % parts:
-        raise PlaitError(f"a rollout of {n} rows does not split into steps_per_generation={parts} micro-batches")
+        raise PlaitError(f"a rollout of {n} rows does not split into {parts} micro-batches")
+    full, prompt = buffer["input_ids"].shape[1], buffer["prompt_length"]
     order = torch.randperm(n, generator=generator).to(buffer["input_ids"].device)
     chunks = []
     for rows in order.chunk(parts):
-        chunk = {k: (v[rows] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v) for k, v in buffer.items()}
-        keep = int(chunk["attention_mask"].sum(0).nonzero().max()) + 1  # drop columns that are padding in every row
-        width = chunk["prompt_length"]
-        keep = max(keep, width + 1)
-        for key in ("input_ids", "attention_mask"):
-            chunk[key] = chunk[key][:, :keep]
-        for key in ("completion_mask", "old_logps", "ref_logps", "importance_weights"):
-            if key in chunk:
-                chunk[key] = chunk[key][:, :keep - width]
+        used = int(buffer["attention_mask"][rows].sum(0).nonzero().max()) + 1 - prompt
+        keep = prompt + min(padded_width(max(used, 1), multiple), full - prompt)
+        chunk = {}
+        for key, value in buffer.items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == n:
+                value = value[rows]
+                if value.dim() > 1 and value.shape[1] == full:
+                    value = value[:, :keep]
+                elif value.dim() > 1 and value.shape[1] == full - prompt:
+                    value = value[:, :keep - prompt]
+            chunk[key] = value
         chunks.append(chunk)
     return chunks
 

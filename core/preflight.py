@@ -56,7 +56,8 @@ def model_source(model: Any, field: str = "model", init_kwargs: dict | None = No
 
     if not constants.is_offline_mode():
         return  # a hub id: from_pretrained downloads it
-    cached = try_to_load_from_cache(model, "config.json")
+    hub = init_kwargs or {}
+    cached = try_to_load_from_cache(model, "config.json", cache_dir=hub.get("cache_dir"), revision=hub.get("revision"))
     if not isinstance(cached, str):
         raise PlaitError(f"{field}={model!r}: no such folder, and no hub model of that name in the local cache "
                          f"(HF_HUB_OFFLINE=1 forbids downloading); fix the path, or download it once with "
@@ -93,11 +94,16 @@ def _config_json(config: Path, model: str, field: str) -> None:
                          "restore the file from the original model")
     from transformers import AutoConfig
 
+    from .models import pretrained_kwargs
+
+    trusted = pretrained_kwargs()["trust_remote_code"]
     try:
-        AutoConfig.from_pretrained(str(config.parent))
+        AutoConfig.from_pretrained(str(config.parent), **pretrained_kwargs())
     except Exception as err:  # noqa: BLE001 - transformers raises ValueError, KeyError, OSError, TypeError here
+        fix = "set trust_remote_code=True if you trust the code its auto_map names" if "auto_map" in data and not trusted \
+            else "fix model_type and the fields it names"
         raise PlaitError(f"{field}={model!r}: {config} is not a config transformers can read "
-                         f"({type(err).__name__}: {_first_line(err)}); fix model_type and the fields it names") from err
+                         f"({type(err).__name__}: {_first_line(err)}); {fix}") from err
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -427,6 +433,6 @@ def check_inputs(config, args) -> None:
         model_source(path, f"training.{name}")
     for field in ("dataset", "eval_dataset"):
         spec = getattr(config, field)
-        if spec is not None:
-            data_files(spec, field)
+        for i, one in enumerate(spec if isinstance(spec, list) else [spec] if spec is not None else []):
+            data_files(one, f"{field}[{i}]" if isinstance(spec, list) else field)  # a list is a mixture
     output_dir(args, config.method)

@@ -27,9 +27,7 @@ def grpo(backend: str, steps: int = 30, **vllm_fields) -> plait.GRPOTrainer:
     args = plait.GRPOConfig(
         output_dir="/tmp/plait-test-vllm-grpo", per_device_train_batch_size=16, num_generations=8,
         max_completion_length=8, learning_rate=1e-2, max_steps=steps, logging_steps=5, report_to=[],
-        save_strategy="no", disable_tqdm=True, seed=0, generation_backend=backend)
-    for name, value in vllm_fields.items():  # TRL-named engine options the backend factories read
-        setattr(args, name, value)
+        save_strategy="no", disable_tqdm=True, seed=0, generation_backend=backend, **vllm_fields)
     return plait.GRPOTrainer(str(tiny_model_path()), reward_funcs=low_tokens, args=args, train_dataset=PROMPTS * 4)
 
 

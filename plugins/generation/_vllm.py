@@ -51,20 +51,40 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def refuse_transformers_options(args, who: str) -> None:
+    """The vLLM backends cannot honour the transformers backend's continuous batching: say so."""
+    p = getattr(args, "params", args)
+    for name in ("use_transformers_continuous_batching", "use_transformers_paged"):
+        if getattr(p, name, False):
+            raise PlaitError(f"{name}=True applies to generation.transformers, but the config chooses {who}; "
+                             f"drop {name} or the vLLM backend (use_vllm / generation_backend)")
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling
 # ---------------------------------------------------------------------------------------------
 
 
 def vllm_sampling(vllm, sampling: SamplingParams, stop_token_ids: Iterable[int] = (), detokenize: bool = True):
-    """plait's :class:`SamplingParams` as vLLM's; the sampled token's log-prob is always returned."""
+    """plait's :class:`SamplingParams` as vLLM's; the sampled token's log-prob is always returned.
+
+    ``structured_outputs_regex`` becomes vLLM's guided decoding (``structured_outputs``), over any
+    ``structured_outputs`` in ``generation_kwargs``; a mapping given there is built into vLLM's class
+    (it arrives as JSON at ``plait vllm-serve``)."""
     options = dict(
         n=sampling.num_generations, max_tokens=sampling.max_completion_length, temperature=sampling.temperature,
         top_p=sampling.top_p, top_k=sampling.top_k or 0, min_p=sampling.min_p or 0.0,
         repetition_penalty=sampling.repetition_penalty, logprobs=0, stop_token_ids=sorted(stop_token_ids),
         detokenize=detokenize,
     )
-    return vllm.SamplingParams(**{**options, **sampling.generation_kwargs})
+    options.update(sampling.generation_kwargs)
+    guided = options.get("structured_outputs")
+    if sampling.structured_outputs_regex is not None or isinstance(guided, dict):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        guided = {"regex": sampling.structured_outputs_regex} if sampling.structured_outputs_regex is not None else guided
+        options["structured_outputs"] = StructuredOutputsParams(**guided)
+    return vllm.SamplingParams(**options)
 
 
 def completion_rows(outputs) -> dict[str, list]:
@@ -377,27 +397,3 @@ def _restore_env(name: str, value: str | None) -> None:
         os.environ.pop(name, None)
     else:
         os.environ[name] = value
-
-
-# ---------------------------------------------------------------------------------------------
-# Backend options from a method's config
-# ---------------------------------------------------------------------------------------------
-
-
-def backend_params(params_class, args, who: str):
-    """Build a backend's attrs parameters from a method config's ``vllm_<field>`` values (TRL's
-    names: ``vllm_gpu_memory_utilization``, ``vllm_server_port``, ...); absent fields keep defaults."""
-    import attrs
-
-    source = getattr(args, "params", args)
-    values = {}
-    for field in attrs.fields(params_class):
-        for holder in (source, args):
-            value = getattr(holder, f"vllm_{field.name}", None)
-            if value is not None:
-                values[field.name] = value
-                break
-    try:
-        return params_class(**values)
-    except (TypeError, ValueError) as err:
-        raise PlaitError(f"{who}: {err}") from None

@@ -3,12 +3,26 @@
 No second copy of the weights and nothing to push after an optimizer step: the backend holds
 the trainer's model and unwraps it at each call (DDP/accelerate wrappers share their module's
 parameters; a PEFT model generates with its adapters on). Prompts are left-padded into one
-batch; each row stops at an EOS token, and the tokens sampled after it (padding) are cut off,
-so completion ids come back without padding. Dropout is off while sampling and the model's
-training mode is restored afterwards.
+batch (to a multiple of ``pad_to_multiple_of`` when set); each row stops at an EOS token, and the
+tokens sampled after it (padding) are cut off, so completion ids come back without padding.
+Dropout is off while sampling and the model's training mode is restored afterwards.
+
+Config fields it reads (:class:`plait.generation.GenerationChoice`): ``generation_max_batch_size``
+(rows per ``generate`` call), ``cache_implementation`` (the KV cache ``generate`` builds, e.g.
+"static"), ``pad_to_multiple_of``, and ``use_transformers_continuous_batching`` (or TRL's older
+``use_transformers_paged``): then every prompt goes to transformers' continuous-batching engine
+(``model.generate_batch``, a paged KV cache) with ``transformers_continuous_batching_config``. That
+engine drops logits processors it does not support, so a ``repetition_penalty`` other than 1 is
+refused with it; on CPU, where transformers would size its cache from the machine's whole memory,
+the cache is sized for the call unless the config sizes it. Guided decoding
+(``vllm_structured_outputs_regex``) is refused: ``generate`` has no regex constraint.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
+import math
 
 import torch
 from accelerate.utils import extract_model_from_parallel
@@ -17,18 +31,33 @@ from transformers import GenerationConfig
 from plait import hookimpl
 from plait.chat import tokenizer_of
 from plait.errors import PlaitError
-from plait.generation import GenerationBackend, Generations, SamplingParams, encode_prompts, eos_token_ids
+from plait.generation import (GenerationBackend, Generations, SamplingParams, encode_prompts, eos_token_ids,
+                              padded_width, padding_multiple)
+
+NAME = "generation.transformers"
+CACHE_SIZE_FIELDS = ("num_blocks", "max_batch_tokens", "max_memory_percent")  # any of them: the user sizes the cache
+logger = logging.getLogger("plait")
 
 
 class TransformersBackend(GenerationBackend):
-    """``model.generate`` on the policy; ``max_batch_size`` rows per call bound the KV cache."""
+    """``model.generate`` on the policy; ``max_batch_size`` rows per call bound the KV cache.
+
+    ``cache_implementation`` is passed to ``generate``; ``pad_to_multiple_of`` rounds the padded
+    prompt width up; ``continuous_batching`` (a mapping, possibly empty, of
+    ``ContinuousBatchingConfig`` options) samples through ``model.generate_batch`` instead.
+    """
 
     shares_weights = True
 
-    def __init__(self, model, processing_class, max_batch_size: int | None = None):
+    def __init__(self, model, processing_class, max_batch_size: int | None = None, *,
+                 cache_implementation: str | None = None, pad_to_multiple_of: int | None = None,
+                 continuous_batching: dict | None = None):
         self.model = model
         self.processing_class = processing_class
         self.max_batch_size = max_batch_size
+        self.cache_implementation = cache_implementation
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.continuous_batching = continuous_batching
         tokenizer = tokenizer_of(processing_class)
         self.eos_ids = eos_token_ids(processing_class, extract_model_from_parallel(model))
         if not self.eos_ids:
@@ -46,6 +75,8 @@ class TransformersBackend(GenerationBackend):
             repetition_penalty=sampling.repetition_penalty,
             pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids), use_cache=True,
         )
+        if self.cache_implementation is not None:
+            options["cache_implementation"] = self.cache_implementation
         if not greedy:
             # top_k must be given explicitly: transformers' default would silently apply top-50.
             options.update(temperature=sampling.temperature, top_p=sampling.top_p,
@@ -54,15 +85,20 @@ class TransformersBackend(GenerationBackend):
 
     @torch.no_grad()
     def generate(self, prompts, sampling: SamplingParams) -> Generations:
+        if sampling.structured_outputs_regex is not None:
+            raise PlaitError(_no_regex(sampling.structured_outputs_regex))
         prompt_ids = encode_prompts(self.processing_class, prompts)
         model = extract_model_from_parallel(self.model)
-        size = self.max_batch_size or len(prompt_ids)
         rows: list[list[int]] = []
         was_training = model.training
         model.eval()
         try:
-            for start in range(0, len(prompt_ids), size):
-                rows.extend(self._generate(model, prompt_ids[start:start + size], sampling))
+            if self.continuous_batching is not None:  # the engine schedules every prompt itself
+                rows = self._generate_continuous(model, prompt_ids, sampling)
+            else:
+                size = self.max_batch_size or len(prompt_ids)
+                for start in range(0, len(prompt_ids), size):
+                    rows.extend(self._generate(model, prompt_ids[start:start + size], sampling))
         finally:
             model.train(was_training)
         completions, finished = [], []
@@ -78,7 +114,7 @@ class TransformersBackend(GenerationBackend):
         if sampling.temperature == 0:
             prompt_ids = [ids for ids in prompt_ids for _ in range(sampling.num_generations)]
         device = next(model.parameters()).device
-        width = max(len(ids) for ids in prompt_ids)
+        width = padded_width(max(len(ids) for ids in prompt_ids), self.pad_to_multiple_of)
         input_ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
         for i, ids in enumerate(prompt_ids):  # left padding: every row's next token is at the same column
@@ -88,13 +124,102 @@ class TransformersBackend(GenerationBackend):
                              generation_config=self.generation_config(sampling))
         return out[:, width:].tolist()
 
+    def _generate_continuous(self, model, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
+        """Every prompt through ``model.generate_batch``; rows come back grouped by prompt."""
+        from transformers.generation import ContinuousBatchingConfig
+
+        if sampling.temperature == 0:
+            prompt_ids = [ids for ids in prompt_ids for _ in range(sampling.num_generations)]
+        config = self.generation_config(sampling)
+        options = dict(self.continuous_batching)
+        device = next(model.parameters()).device
+        if device.type == "cpu" and not any(options.get(name) is not None for name in CACHE_SIZE_FIELDS):
+            options.update(_cpu_cache_size(prompt_ids, config, options.get("page_size")))
+        outputs = model.generate_batch(prompt_ids, generation_config=config,
+                                       continuous_batching_config=ContinuousBatchingConfig(**options), progress_bar=False)
+        expected = len(prompt_ids) * config.num_return_sequences
+        failed = [out.error for out in outputs.values() if out.error is not None]
+        if failed or len(outputs) != expected:
+            raise PlaitError(f"transformers' continuous batching returned {len(outputs) - len(failed)} of {expected} "
+                             f"completions ({failed[0] if failed else 'some requests are missing'}); set "
+                             "use_transformers_continuous_batching=False or size transformers_continuous_batching_config")
+        return [list(out.generated_tokens) for out in outputs.values()]
+
+
+def _cpu_cache_size(prompt_ids: list[list[int]], config: GenerationConfig, page_size: int | None) -> dict:
+    """A paged cache that holds every request of one call at once (transformers would otherwise
+    size it from the machine's whole memory, which takes seconds to allocate on a CPU)."""
+    from transformers.generation import ContinuousBatchingConfig
+
+    page = page_size or ContinuousBatchingConfig().page_size
+    copies = config.num_return_sequences
+    blocks = sum(math.ceil((len(ids) + config.max_new_tokens) / page) for ids in prompt_ids) * copies
+    tokens = sum(len(ids) for ids in prompt_ids) * copies
+    return {"num_blocks": blocks + 1, "max_batch_tokens": max(page, min(tokens, 4096))}
+
+
+def _no_regex(regex: str) -> str:
+    return (f"vllm_structured_outputs_regex={regex!r}: generation.transformers cannot constrain completions to a "
+            "regex; use a vLLM backend (use_vllm=True) or drop vllm_structured_outputs_regex")
+
+
+def check_config(args) -> None:
+    """Refuse, before any model loads, what this backend cannot honour."""
+    p = getattr(args, "params", args)
+    regex = getattr(p, "vllm_structured_outputs_regex", None)
+    if regex is not None:
+        raise PlaitError(_no_regex(regex))
+    cache = getattr(p, "cache_implementation", None)
+    if cache is not None:
+        try:
+            GenerationConfig(cache_implementation=cache)
+        except ValueError as err:
+            raise PlaitError(f"cache_implementation={cache!r}: {str(err).splitlines()[0]}") from None
+    if _continuous_batching(p) is not None:
+        from transformers.generation import ContinuousBatchingConfig
+
+        if getattr(p, "repetition_penalty", 1.0) != 1.0:
+            raise PlaitError(f"repetition_penalty={p.repetition_penalty} is not applied by transformers' continuous "
+                             "batching (it drops that logits processor); set repetition_penalty=1.0 or "
+                             "use_transformers_continuous_batching=False")
+        try:
+            ContinuousBatchingConfig(**_continuous_batching(p))
+        except (TypeError, ValueError) as err:
+            raise PlaitError(f"transformers_continuous_batching_config={p.transformers_continuous_batching_config!r}: "
+                             f"{str(err).splitlines()[0]}") from None
+    if getattr(p, "use_transformers_paged", False):
+        _warn_paged_once()
+
+
+def _continuous_batching(p) -> dict | None:
+    """The ``ContinuousBatchingConfig`` options when continuous batching is on, else None."""
+    if getattr(p, "use_transformers_continuous_batching", False) or getattr(p, "use_transformers_paged", False):
+        return dict(getattr(p, "transformers_continuous_batching_config", None) or {})
+    return None
+
+
+@functools.cache
+def _warn_paged_once() -> None:
+    logger.warning("plait: use_transformers_paged is TRL's deprecated name for use_transformers_continuous_batching; "
+                   "continuous batching is on")
+
 
 def transformers_backend(model, processing_class, args=None) -> TransformersBackend:
-    """Factory registered as ``generation.transformers``; ``args.generation_max_batch_size`` if set."""
-    return TransformersBackend(model, processing_class, getattr(args, "generation_max_batch_size", None))
+    """Factory registered as ``generation.transformers``; options from the config's fields when given."""
+    if args is None:
+        return TransformersBackend(model, processing_class)
+    check_config(args)
+    p = getattr(args, "params", args)
+    device = next(extract_model_from_parallel(model).parameters()).device
+    return TransformersBackend(
+        model, processing_class, getattr(p, "generation_max_batch_size", None),
+        cache_implementation=getattr(p, "cache_implementation", None),
+        pad_to_multiple_of=padding_multiple(getattr(p, "pad_to_multiple_of", None), device),
+        continuous_batching=_continuous_batching(p),
+    )
 
 
 @hookimpl
 def register_generation_backends(register):
-    register("generation.transformers", transformers_backend,
+    register(NAME, transformers_backend, check=check_config,
              doc="Sample with the policy itself via model.generate (no weight copies)")

@@ -8,26 +8,29 @@ reference through vLLM's in-place reload, and the prefix cache is reset. Complet
 with vLLM's per-token log-probs, which the trainer compares with its own to correct for the
 engine's numerics (``vllm_importance_sampling_*``).
 
-Config fields (TRL's names, read from the method config when present): ``vllm_gpu_memory_utilization``,
+Config fields (:class:`plait.generation.GenerationChoice`; TRL's names): ``vllm_gpu_memory_utilization``,
 ``vllm_tensor_parallel_size``, ``vllm_max_model_length``, ``vllm_enable_sleep_mode``,
 ``vllm_model_impl``, and plait's ``vllm_dtype``, ``vllm_kv_cache_memory_bytes``,
-``vllm_enable_prefix_caching``, ``vllm_engine_kwargs``.
+``vllm_enable_prefix_caching``, ``vllm_engine_kwargs``, ``vllm_seed``; ``vllm_structured_outputs_regex``
+reaches each request's sampling options.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from typing import ClassVar
 
 import attrs
 
 from plait import hookimpl
 from plait.chat import tokenizer_of
 from plait.errors import PlaitError
-from plait.generation import GenerationBackend, Generations, SamplingParams, encode_prompts, eos_token_ids
+from plait.generation import (GenerationBackend, Generations, SamplingParams, backend_options, encode_prompts,
+                              eos_token_ids)
 from plait.params import in_range
 
-from ._vllm import Engine, backend_params, materialised, on_cpu, policy_parameters
+from ._vllm import Engine, materialised, on_cpu, policy_parameters, refuse_transformers_options
 
 NAME = "generation.vllm_colocate"
 
@@ -40,8 +43,10 @@ def _positive_int(instance, attribute, value) -> None:
 @attrs.frozen
 class VLLMColocateParams:
     """Engine options. ``dtype`` "auto" is vLLM's choice (bfloat16 for a float32 checkpoint on CPU);
-    ``kv_cache_memory_bytes`` sizes the KV cache explicitly (CPU: instead of VLLM_CPU_KVCACHE_SPACE)."""
+    ``kv_cache_memory_bytes`` sizes the KV cache explicitly (CPU: instead of VLLM_CPU_KVCACHE_SPACE).
+    A method config gives each as ``vllm_<name>``."""
 
+    config_prefix: ClassVar[str] = "vllm_"
     gpu_memory_utilization: float = attrs.field(default=0.3, validator=in_range(0.0, 1.0, low_open=True))
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive_int)
     max_model_length: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive_int))
@@ -61,9 +66,7 @@ class VLLMColocateBackend(GenerationBackend):
 
     def __init__(self, model, processing_class, params: VLLMColocateParams | None = None):
         self.params = params or VLLMColocateParams()
-        if self.params.enable_sleep_mode and on_cpu():
-            raise PlaitError("vllm_enable_sleep_mode=True is not supported by vLLM on CPU (it frees nothing and "
-                             "blocks generation while asleep); set vllm_enable_sleep_mode=False")
+        _check_sleep_mode(self.params)
         self.model, self.processing_class = model, processing_class
         self.eos_ids = eos_token_ids(processing_class, _unwrap(model))
         if not self.eos_ids:
@@ -149,15 +152,30 @@ def _distributed_world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def _check_sleep_mode(params: VLLMColocateParams) -> None:
+    if params.enable_sleep_mode and on_cpu():
+        raise PlaitError("vllm_enable_sleep_mode=True is not supported by vLLM on CPU (it frees nothing and "
+                         "blocks generation while asleep); set vllm_enable_sleep_mode=False")
+
+
+def check_config(args) -> VLLMColocateParams:
+    """The engine options a method config gives (its ``vllm_*`` fields), refusing what this backend cannot honour."""
+    refuse_transformers_options(args, NAME)
+    params = backend_options(VLLMColocateParams, args, NAME)
+    _check_sleep_mode(params)
+    return params
+
+
 def vllm_colocate_backend(model, processing_class, args=None) -> VLLMColocateBackend:
     """Factory registered as ``generation.vllm_colocate``; options from the config's ``vllm_*`` fields."""
-    params = backend_params(VLLMColocateParams, args, NAME) if args is not None else VLLMColocateParams()
-    if args is not None and getattr(args, "vllm_seed", None) is None and isinstance(getattr(args, "seed", None), int):
+    params = check_config(args) if args is not None else VLLMColocateParams()
+    seed = getattr(getattr(args, "params", args), "vllm_seed", None)
+    if args is not None and seed is None and isinstance(getattr(args, "seed", None), int):
         params = attrs.evolve(params, seed=args.seed)
     return VLLMColocateBackend(model, processing_class, params)
 
 
 @hookimpl
 def register_generation_backends(register):
-    register(NAME, vllm_colocate_backend, params=VLLMColocateParams,
+    register(NAME, vllm_colocate_backend, params=VLLMColocateParams, check=check_config,
              doc="Sample with a vLLM engine inside the training process; weights pushed after each step")

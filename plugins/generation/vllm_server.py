@@ -7,9 +7,10 @@ server's engine workers and the trainer form a process group of their own (gloo 
 GPU) and the trainer broadcasts the parameters in flat buckets, never inside an HTTP body.
 The trainer needs no vLLM installed: only the server does.
 
-Config fields (TRL's names, read from the method config when present): ``vllm_server_base_url``,
+Config fields (:class:`plait.generation.GenerationChoice`; TRL's names): ``vllm_server_base_url``,
 ``vllm_server_host``, ``vllm_server_port``, ``vllm_server_timeout``, ``vllm_group_port``, and
-plait's ``vllm_server_token`` (or PLAIT_VLLM_TOKEN).
+plait's ``vllm_server_token`` (or PLAIT_VLLM_TOKEN); ``vllm_structured_outputs_regex`` travels
+with each request's sampling options.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import attrs
 import torch
@@ -30,10 +31,12 @@ import torch
 from plait import hookimpl
 from plait.chat import tokenizer_of
 from plait.errors import PlaitError
-from plait.generation import GenerationBackend, Generations, SamplingParams, encode_prompts, eos_token_ids
+from plait.generation import (GenerationBackend, Generations, SamplingParams, backend_options, encode_prompts,
+                              eos_token_ids)
 from plait.params import positive
 
-from ._vllm import backend_params, bucket_layout, materialised, policy_parameters, send_buckets, weight_group
+from ._vllm import (bucket_layout, materialised, policy_parameters, refuse_transformers_options, send_buckets,
+                    weight_group)
 
 NAME = "generation.vllm_server"
 TOKEN_ENV = "PLAIT_VLLM_TOKEN"
@@ -47,8 +50,9 @@ def _port(instance, attribute, value) -> None:
 
 @attrs.frozen
 class VLLMServerParams:
-    """Where the server is and how long to wait for it."""
+    """Where the server is and how long to wait for it; a method config gives each as ``vllm_<name>``."""
 
+    config_prefix: ClassVar[str] = "vllm_"
     server_base_url: str | None = None  # e.g. http://10.0.0.5:8000; else host and port
     server_host: str = "127.0.0.1"
     server_port: int = attrs.field(default=8000, validator=_port)
@@ -248,13 +252,19 @@ def _unwrap(model):
     return extract_model_from_parallel(model)
 
 
+def check_config(args) -> VLLMServerParams:
+    """The server options a method config gives (its ``vllm_*`` fields), refusing what this backend cannot honour."""
+    refuse_transformers_options(args, NAME)
+    return backend_options(VLLMServerParams, args, NAME)
+
+
 def vllm_server_backend(model, processing_class, args=None) -> VLLMServerBackend:
     """Factory registered as ``generation.vllm_server``; options from the config's ``vllm_*`` fields."""
-    params = backend_params(VLLMServerParams, args, NAME) if args is not None else VLLMServerParams()
+    params = check_config(args) if args is not None else VLLMServerParams()
     return VLLMServerBackend(model, processing_class, params)
 
 
 @hookimpl
 def register_generation_backends(register):
-    register(NAME, vllm_server_backend, params=VLLMServerParams,
+    register(NAME, vllm_server_backend, params=VLLMServerParams, check=check_config,
              doc="Sample from a `plait vllm-serve` process over HTTP; weights pushed over a side channel")

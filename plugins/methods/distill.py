@@ -24,11 +24,14 @@ from plait import Method, PlaitError, hookimpl
 from plait.batches import TokenDistributions, masked_mean
 from plait.config import method_config
 from plait.logprobs import compare_distributions
-from plait.models import load_model
+from plait.models import load_model, pretrained_kwargs
 from plait.objective import Objective
 from plait.params import in_range, positive
 
-from ._onpolicy import OnPolicyParams, OnPolicyTrainer, disable_dropout, pack
+from ._onpolicy import OnPolicyParams, OnPolicyTrainer
+
+
+HUB_KWARGS = ("revision", "cache_dir", "local_files_only", "token")  # where the teacher's tokenizer is found too
 
 
 def _positive_int(instance, attribute, value) -> None:
@@ -43,12 +46,14 @@ class DistillParams(OnPolicyParams):
     ``beta`` interpolates the divergence (0 forward KL, 1 reverse KL, between the generalised
     JSD); ``temperature`` applies to sampling and to both models' distributions in the loss.
     ``loss`` composes ``distill.*`` losses as ``[{name, weight, **params}]`` (``beta`` is shared
-    into every loss that takes it).
+    into every loss that takes it). ``teacher_model_revision`` is the hub revision (branch, tag or
+    commit) the teacher and its tokenizer are loaded at.
     """
 
     default_loss = "jsd"
     teacher_model_name_or_path: str | None = None
     teacher_model_init_kwargs: dict | None = None
+    teacher_model_revision: str | None = None
     beta: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0))
     temperature: float = attrs.field(default=1.0, validator=positive)
     max_completion_length: int = attrs.field(default=512, validator=_positive_int)
@@ -56,7 +61,8 @@ class DistillParams(OnPolicyParams):
 
 DistillConfig = method_config(
     "DistillConfig", DistillParams,
-    defaults={"learning_rate": 1e-6, "logging_steps": 10, "remove_unused_columns": False},
+    # TRL's DistillationConfig has no router_aux_loss_coef: no load-balancing loss unless asked for
+    defaults={"learning_rate": 1e-6, "logging_steps": 10, "remove_unused_columns": False, "router_aux_loss_coef": 0.0},
 )
 
 
@@ -81,6 +87,9 @@ class DistillTrainer(OnPolicyTrainer):
         if given is None and p.teacher_model_name_or_path is None:
             raise PlaitError("DistillTrainer needs a teacher: pass teacher_model= (a model or path) or set "
                              "teacher_model_name_or_path in the config")
+        if given is not None and not isinstance(given, str) and p.teacher_model_revision is not None:
+            raise PlaitError(f"teacher_model_revision={p.teacher_model_revision!r} applies to a teacher loaded by name, "
+                             "but teacher_model is a loaded model; pass its path or hub id, or drop the revision")
 
     def rollout_plan(self, args) -> tuple[int, int]:
         return args.gradient_accumulation_steps, 1  # one rollout per optimizer step, used once
@@ -93,15 +102,13 @@ class DistillTrainer(OnPolicyTrainer):
         model = super().before_peft(model, args, **kwargs)
         p = args.params
         spec = self._teacher_spec if self._teacher_spec is not None else p.teacher_model_name_or_path
-        teacher = load_model(spec, p.teacher_model_init_kwargs, field="teacher_model")
+        teacher = load_model(spec, self._teacher_kwargs(p), field="teacher_model")
         mine, theirs = model.config.get_text_config().vocab_size, teacher.config.get_text_config().vocab_size
         if mine != theirs:
             raise PlaitError(f"teacher_model has vocab_size {theirs} but the student has {mine}; distillation compares "
                              "distributions token by token, so the teacher must share the student's tokenizer")
         teacher.eval()
         teacher.requires_grad_(False)
-        if p.disable_dropout:
-            disable_dropout(teacher)
         self.teacher = teacher
         return model
 
@@ -112,11 +119,20 @@ class DistillTrainer(OnPolicyTrainer):
         # Each micro-batch's loss is already divided by the optimizer step's token count.
         self.loss_is_scaled_for_ga = True
 
+    @staticmethod
+    def _teacher_kwargs(p) -> dict:
+        """``teacher_model_init_kwargs`` with ``teacher_model_revision`` as the hub revision."""
+        kwargs = dict(p.teacher_model_init_kwargs or {})
+        if p.teacher_model_revision is not None:
+            kwargs["revision"] = p.teacher_model_revision
+        return kwargs
+
     def _check_same_tokenizer(self) -> None:
         """Equal vocabulary sizes can hide different tokenisations: compare the token tables too."""
         source = getattr(self.teacher.config, "_name_or_path", None)
         try:
-            theirs = AutoTokenizer.from_pretrained(source).get_vocab() if source else None
+            hub = {k: v for k, v in self._teacher_kwargs(self.args.params).items() if k in HUB_KWARGS}
+            theirs = AutoTokenizer.from_pretrained(source, **{**pretrained_kwargs(), **hub}).get_vocab() if source else None
         except (OSError, ValueError):
             theirs = None  # no tokenizer saved with the teacher: the vocabulary sizes were checked
         mine = getattr(self.processing_class, "tokenizer", self.processing_class).get_vocab()
@@ -130,7 +146,7 @@ class DistillTrainer(OnPolicyTrainer):
     @torch.no_grad()
     def rollout(self, inputs: dict) -> dict:
         prompt_ids, generations = self.sample(inputs)
-        batch = pack(prompt_ids, generations.completion_ids, self.pad_id(), self.accelerator.device)
+        batch = self.pack_rollout(prompt_ids, generations.completion_ids)
         tokens = batch["completion_mask"].sum()
         if self.model.training:  # normalise by the tokens of the whole optimizer step, over every process
             tokens = self.accelerator.gather(tokens.reshape(1)).sum().float() / self.accelerator.num_processes

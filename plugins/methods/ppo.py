@@ -47,7 +47,7 @@ from plait.params import in_range, int_at_least, non_negative, one_of, positive
 from plait.scoring import (RewardChoice, UnscoredBatches, compute_rewards, resolve_advantage_estimator,
                            resolve_reward_funcs, reward_weights)
 
-from ._onpolicy import OnPolicyParams, OnPolicyTrainer, disable_dropout, pack
+from ._onpolicy import OnPolicyParams, OnPolicyTrainer
 
 KL_ESTIMATORS = ("k1", "k3")
 VALUE_FOLDER = "value_model"
@@ -107,7 +107,10 @@ class PPOParams(OnPolicyParams, RewardChoice):
 
 PPOConfig = method_config(
     "PPOConfig", PPOParams,
-    defaults={"learning_rate": 3e-6, "logging_steps": 10, "remove_unused_columns": False},
+    # plait's PPO samples and scores the function it updates: no dropout (policy, reference, value
+    # model); and like the other methods without TRL's field, no load-balancing loss unless asked for
+    defaults={"learning_rate": 3e-6, "logging_steps": 10, "remove_unused_columns": False, "disable_dropout": True,
+              "router_aux_loss_coef": 0.0},
 )
 
 
@@ -321,8 +324,6 @@ class PPOTrainer(OnPolicyTrainer):
         if self.value_model.config.get_text_config().vocab_size != model.config.get_text_config().vocab_size:
             raise PlaitError("value_model has a different vocabulary than the policy; it reads the policy's tokens, so "
                              "it must share the policy's tokenizer")
-        if p.disable_dropout:
-            disable_dropout(self.value_model)
         return model
 
     def _value_source(self, policy, value_model, p):
@@ -400,7 +401,7 @@ class PPOTrainer(OnPolicyTrainer):
         p = self.args.params
         device = self.accelerator.device
         prompt_ids, generations = self.sample(inputs)
-        batch = pack(prompt_ids, generations.completion_ids, self.pad_id(), device)
+        batch = self.pack_rollout(prompt_ids, generations.completion_ids)
         mask = batch["completion_mask"].float()
         n, size = mask.shape[0], p.local_rollout_forward_batch_size
         parts = {"logps": [], "values": [], "ref": []}

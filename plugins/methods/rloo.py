@@ -77,7 +77,7 @@ class RLOOTrainer(OnlineTrainer):
             kl = self.accelerator.gather(kl).float().cpu()
             reward = reward - p.beta * kl
             self.record({"kl_penalty": kl.mean(), "reward_penalised": reward.nanmean()})
-        rollout = Rollout(rewards=reward.unsqueeze(-1), weights=torch.ones(1), group_size=p.num_generations)
+        rollout = Rollout(rewards=reward.unsqueeze(-1), weights=torch.ones(1), group_size=self.group_size)
         return self.estimator(rollout)
 
     def clip_ratio(self, batch: PolicyTokens) -> torch.Tensor:
