@@ -77,6 +77,7 @@ def token_logprobs(
     chunk_size: int | None = None,
     chunked: bool = True,
     cast_lm_head_to_fp32: bool = False,
+    select: Tensor | None = None,
     **model_kwargs,
 ) -> TokenLogprobs:
     """Log-probs of ``input_ids`` [B, T] under ``model`` (a causal LM, possibly wrapped).
@@ -87,7 +88,12 @@ def token_logprobs(
     flattened batch (default :func:`default_chunk_size`). ``chunked=False`` computes full logits
     through the model's own forward: the same values, for models whose output layer cannot be
     split off. ``cast_lm_head_to_fp32`` computes the output layer in float32 (a plain linear layer
-    only). ``model_kwargs`` go to the model's forward unchanged.
+    only). ``select`` [B, T] marks the tokens whose statistics are wanted (e.g. the completion):
+    the chunked path projects only the positions that predict them, and the rest come back as 0.
+    Methods that score completions pass it: the output layer and the log-softmax over the
+    vocabulary cost per position, so a 992-token prompt with a 32-token completion would
+    otherwise pay for 31× more positions than it reads. ``model_kwargs`` go to the model's
+    forward unchanged.
     """
     _check_arguments(temperature, chunk_size, input_ids)
     forward_kwargs = _forward_kwargs(attention_mask, position_ids, model_kwargs)
@@ -97,14 +103,18 @@ def token_logprobs(
     targets = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1).reshape(-1)
     stats = _Stats(temperature, with_entropy, with_logit_mean, with_argmax, with_collision)
 
+    # the positions to project: position p predicts token p + 1
+    rows = None if select is None else _predictors(select.to(input_ids.device).bool(), input_ids.shape)
     if chunked:
-        out = _chunked(model, input_ids, forward_kwargs, targets, stats, chunk_size, cast_lm_head_to_fp32)
+        out = _chunked(model, input_ids, forward_kwargs, targets, stats, chunk_size, cast_lm_head_to_fp32, rows)
     else:
         with _fp32_head(model) if cast_lm_head_to_fp32 else contextlib.nullcontext():
             logits = model(input_ids=input_ids, **forward_kwargs).logits
         out = stats(logits.float().reshape(B * T, -1), targets)
 
     def align(x: Tensor) -> Tensor:
+        if rows is not None:
+            x = x.reshape(-1).masked_fill(~rows, 0)
         x = torch.cat([x.new_zeros(B, 1), x.reshape(B, T)[:, :-1]], dim=1)
         if position_ids is not None and position_ids.dim() == 2:
             x = x.masked_fill(position_ids == 0, 0.0)
@@ -341,10 +351,19 @@ def _final_hidden(model, input_ids, forward_kwargs,
     return hidden, head, project, output
 
 
+def _predictors(select: Tensor, shape: torch.Size) -> Tensor:
+    """Flat [B·T] mask of the positions that predict the selected tokens (one column to the left)."""
+    if select.shape != shape:
+        raise PlaitError(f"select has shape {tuple(select.shape)}; pass a [batch, seq] mask like input_ids {tuple(shape)}")
+    return torch.cat([select[:, 1:], torch.zeros_like(select[:, :1])], dim=1).reshape(-1)
+
+
 def _chunked(model, input_ids, forward_kwargs, targets, stats: _Stats, chunk_size,
-             fp32_head: bool = False) -> tuple[Tensor, ...]:
+             fp32_head: bool = False, rows: Tensor | None = None) -> tuple[Tensor, ...]:
     hidden, head, project, output = _final_hidden(model, input_ids, forward_kwargs, fp32_head)
     flat = hidden.reshape(-1, hidden.shape[-1])
+    if rows is not None:
+        flat, targets = flat[rows], targets[rows]
     size = chunk_size or default_chunk_size(getattr(head, "out_features", None) or output.logits.shape[-1])
 
     def chunk_stats(h: Tensor, t: Tensor) -> tuple[Tensor, ...]:
@@ -355,7 +374,10 @@ def _chunked(model, input_ids, forward_kwargs, targets, stats: _Stats, chunk_siz
     for h, t in zip(flat.split(size), targets.split(size)):
         # Backward recomputes this chunk's logits instead of keeping [chunk, V] alive until then.
         pieces.append(checkpoint(chunk_stats, h, t, use_reentrant=False) if needs_grad else chunk_stats(h, t))
-    return tuple(torch.cat(parts) for parts in zip(*pieces))
+    values = tuple(torch.cat(parts) if parts else flat.new_zeros(0) for parts in zip(*pieces))
+    if rows is None:
+        return values
+    return tuple(v.new_zeros(rows.shape[0]).masked_scatter(rows, v) for v in values)
 
 
 def _post_head(config) -> Callable[[Tensor], Tensor]:

@@ -203,6 +203,39 @@ def test_the_output_layer_never_projects_more_than_chunk_size_positions(chunk):
     assert projected[0] == 3 and max(projected[1:]) <= chunk and sum(projected[1:]) == 18
 
 
+@FEW
+@given(padded_batches(), st.integers(0, 2**16))
+def test_select_gives_the_selected_tokens_values_and_gradients_and_zero_elsewhere(case, seed):
+    ids, mask, chunk, temperature = case
+    select = (torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed)) < 0.5) & mask.bool()
+    model = shared_llama()
+    full = all_stats(model, ids, mask, chunk_size=chunk, temperature=temperature)
+    expected = grads(model, weighted_sum(full, select))
+    chosen = all_stats(model, ids, mask, chunk_size=chunk, temperature=temperature, select=select)
+    for name in ("logps", "entropy", "logit_mean"):
+        assert_close_relative(getattr(chosen, name), getattr(full, name) * select, msg=name)
+        assert (getattr(chosen, name)[~select] == 0).all()
+    for name, grad in grads(model, weighted_sum(chosen, select)).items():
+        assert_close_relative(grad, expected[name], msg=name)
+
+
+def test_select_projects_only_the_positions_that_predict_selected_tokens():
+    # A 992-token prompt and a 32-token completion: without select the output layer and the
+    # softmax over the vocabulary run at all 1024 positions, with it at the 32 that are read.
+    model = tiny_llama(3)
+    ids = torch.randint(0, VOCAB, (3, 10))
+    select = torch.zeros_like(ids, dtype=torch.bool)
+    select[:, 7:] = True  # tokens 7..9, predicted by positions 6..8
+    projected: list[int] = []
+    handle = model.lm_head.register_forward_hook(lambda m, args, out: projected.append(out.reshape(-1, VOCAB).shape[0]))
+    try:
+        token_logprobs(model, ids, select=select)
+    finally:
+        handle.remove()
+    # the model's own call (one position per row), the one-time head check, then the 3 × 3 selected
+    assert projected == [3, 3, 9]
+
+
 def test_plain_path_projects_every_position_for_comparison():
     model = tiny_llama(3)
     projected: list[int] = []
