@@ -9,16 +9,36 @@ whole accumulated batch so gradient accumulation and several processes give the 
 
 from __future__ import annotations
 
+import logging
+
 import attrs
 import torch
 
-from plait import Method, hookimpl
+from plait import Method, PlaitError, hookimpl
 from plait.batches import TokenLogps
 from plait.config import method_config
 from plait.data import pack_dataset, prepare_dataset
 from plait.objective import LossChoice, Objective
 from plait.params import positive
+from plait.plugins.data._collate import pad_multiple_field
 from plait.trainer import PlaitTrainer
+
+logger = logging.getLogger("plait")
+
+SKIP_PREPARE = "skip_prepare_dataset"
+# TRL 1.16 keeps "chunked_nll" as a deprecated name of "nll": the same loss, computed without full
+# logits. plait's log-prob path never forms full logits (plait.logprobs), so the name maps to sft.nll.
+LOSS_ALIASES = {"chunked_nll": "nll"}
+
+
+def _dataset_kwargs(instance, attribute, value) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ValueError(f"dataset_kwargs={value!r} must be a mapping such as {{skip_prepare_dataset: true}} or None")
+    unknown = sorted(set(value) - {SKIP_PREPARE})
+    if unknown:
+        raise ValueError(f"dataset_kwargs has unknown key(s) {unknown}; the only key is {SKIP_PREPARE!r} (as in TRL 1.16)")
 
 
 @attrs.define
@@ -30,12 +50,28 @@ class SFTParams(LossChoice):
     truncation_mode: str = "keep_start"
     packing: bool = False
     packing_strategy: str = "bfd"
+    eval_packing: bool | None = None  # None: as packing
     padding_free: bool = False
-    pad_to_multiple_of: int | None = None
+    pad_to_multiple_of: int | str | None = pad_multiple_field()
+    dataset_text_field: str = "text"  # the column read as language-modelling text
+    # {skip_prepare_dataset: True}: the dataset is already tokenised (input_ids, optional completion_mask or labels)
+    dataset_kwargs: dict | None = attrs.field(default=None, validator=_dataset_kwargs)
+    shuffle_dataset: bool = False  # shuffle once when preparing (and packed rows after packing), with args.seed
     completion_only_loss: bool | None = None
     assistant_only_loss: bool = False
     model_init_kwargs: dict | None = None
     dataset_num_proc: int | None = None
+
+    @property
+    def skip_prepare_dataset(self) -> bool:
+        return bool((self.dataset_kwargs or {}).get(SKIP_PREPARE))
+
+    def packs(self, split: str) -> bool:
+        """Whether the dataset of ``split`` is packed: ``packing`` for training, ``eval_packing`` (when set) otherwise."""
+        return self.packing if split == "train" or self.eval_packing is None else self.eval_packing
+
+    def loss_specs(self) -> list[dict]:
+        return [{**spec, "name": LOSS_ALIASES.get(spec["name"], spec["name"])} for spec in super().loss_specs()]
 
 
 SFTConfig = method_config(
@@ -53,7 +89,10 @@ class SFTTrainer(PlaitTrainer):
     def validate(self, args) -> None:
         p = args.params
         self.objective = Objective.build(p.loss_specs(), self.plugins.losses, family="sft", consumes=TokenLogps)
-        if p.packing:
+        for given in {spec["name"] for spec in LossChoice.loss_specs(p)} & set(LOSS_ALIASES):
+            logger.warning("SFT: loss %r is TRL's deprecated name of %r, the same loss; using sft.%s",
+                           given, LOSS_ALIASES[given], LOSS_ALIASES[given])
+        if p.packing or p.eval_packing:
             self.plugins.packing_strategies.get(p.packing_strategy, family="packing")  # unknown names fail now
         self.tokens_seen = 0
 
@@ -61,20 +100,33 @@ class SFTTrainer(PlaitTrainer):
         if dataset is None:
             return None
         p = args.params
+        if p.skip_prepare_dataset:
+            return _tokenised(dataset, split)
         dataset = prepare_dataset(
             dataset, processing_class, "language_modeling", plugins=self.plugins, max_length=p.max_length,
             truncation_mode=p.truncation_mode, completion_only_loss=p.completion_only_loss,
-            assistant_only_loss=p.assistant_only_loss, num_proc=p.dataset_num_proc,
+            assistant_only_loss=p.assistant_only_loss, num_proc=p.dataset_num_proc, text_field=p.dataset_text_field,
         )
-        if p.packing:
+        if p.shuffle_dataset:
+            dataset = dataset.shuffle(seed=args.seed)
+        if p.packs(split):
             dataset = pack_dataset(dataset, p.packing_strategy, p.max_length, plugins=self.plugins)
+            if p.shuffle_dataset:  # packing orders rows by size
+                dataset = dataset.shuffle(seed=args.seed)
         return dataset
 
     def make_collator(self, processing_class, args):
         p = args.params
-        flat = p.padding_free or p.packing  # packed rows are several documents: positions restart per document
-        name = "collator.padding_free" if flat else "collator.language_modeling"
-        return self.plugins.collators.get(name).obj(processing_class, pad_to_multiple_of=p.pad_to_multiple_of)
+        flat, padded = (self.plugins.collators.get(name).obj(processing_class, pad_to_multiple_of=p.pad_to_multiple_of)
+                        for name in ("collator.padding_free", "collator.language_modeling"))
+        if p.padding_free:
+            return flat
+
+        def collate(examples):
+            # packed rows (seq_lengths) hold several documents: positions restart per document
+            return flat(examples) if examples[0].get("seq_lengths") is not None else padded(examples)
+
+        return collate
 
     def after_init(self) -> None:
         # Normalise by target tokens across accumulation steps and processes (transformers counts them).
@@ -99,6 +151,16 @@ class SFTTrainer(PlaitTrainer):
             metrics.update({f"loss/{name}": value.detach() for name, value in parts.items()})
         self.record(metrics)
         return (loss, None) if return_outputs else loss
+
+
+def _tokenised(dataset, split: str):
+    """A dataset given with skip_prepare_dataset, used as it is: it must hold token ids."""
+    columns = dataset.column_names if hasattr(dataset, "column_names") else list(dataset[0])
+    if "input_ids" not in columns:
+        raise PlaitError(f"dataset_kwargs={{'{SKIP_PREPARE}': True}} takes a tokenised {split} dataset with an 'input_ids' "
+                         f"column (and optionally completion_mask or labels, seq_lengths); got columns {sorted(columns)}: "
+                         f"tokenise it first or drop {SKIP_PREPARE}")
+    return dataset
 
 
 @hookimpl
