@@ -27,6 +27,7 @@ from transformers import TrainingArguments
 
 from . import preflight
 from .errors import PlaitError
+from .params import non_negative
 
 logger = logging.getLogger("plait")
 
@@ -96,6 +97,43 @@ def _warn_emulated_once(reason: str) -> None:
 NONFINITE_POLICIES = ("error", "skip")
 
 
+def _optional_text(instance, attribute, value) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"{attribute.name}={value!r} must be a non-empty string or None")
+
+
+def _existing_path(instance, attribute, value) -> None:
+    if value is not None and not Path(value).expanduser().exists():
+        raise ValueError(f"{attribute.name}={value!r} does not exist; give a .jinja file or a tokenizer folder")
+
+
+@attrs.define
+class ModelLoading:
+    """How a run loads and prepares its models and tokenizer: fields every method's Config has,
+    with TRL 1.16's names and meanings. :func:`method_config` adds them to every Config (a method
+    changes a default through its ``defaults=``) and :class:`plait.trainer.PlaitTrainer` applies them.
+
+    * ``trust_remote_code``: run the code a model folder names in its ``auto_map``; passed to every
+      ``from_pretrained`` of the run (policy, reference, teacher, value and reward models, tokenizers).
+    * ``pad_token`` / ``eos_token``: replace the tokenizer's; the EOS is the completion terminator
+      plait appends and generation stops on. Each must be a token of the vocabulary.
+    * ``chat_template_path``: a Jinja file, or a tokenizer folder, whose chat template replaces the tokenizer's.
+    * ``disable_dropout``: every dropout module of the policy and of the models beside it (reference,
+      teacher, value model) gets p = 0.
+    * ``router_aux_loss_coef``: weight of a Mixture-of-Experts model's load-balancing loss added to the
+      training loss; None takes the model config's own coefficient, 0 turns it off.
+    * ``activation_offloading``: keep the activations saved for backward in CPU memory (on an accelerator).
+    """
+
+    trust_remote_code: bool = False
+    pad_token: str | None = attrs.field(default=None, validator=_optional_text)
+    eos_token: str | None = attrs.field(default=None, validator=_optional_text)
+    chat_template_path: str | None = attrs.field(default=None, validator=[_optional_text, _existing_path])
+    disable_dropout: bool = False
+    router_aux_loss_coef: float | None = attrs.field(default=None, validator=attrs.validators.optional(non_negative))
+    activation_offloading: bool = False
+
+
 def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[str, Any] = {}, module: str | None = None) -> type:
     """Return the dataclass ``name``: every TrainingArguments field, ``defaults`` overriding its
     defaults, plus the fields of the attrs class ``params`` (validated in ``__post_init__``).
@@ -110,6 +148,9 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
         else:
             spec = dataclasses.field(default=default)
         fields.append((attribute.name, attribute.type or Any, spec))
+    # How models and the tokenizer load (TRL's fields); a method's `defaults` may change a default.
+    for attribute in attrs.fields(attrs.resolve_types(ModelLoading)):
+        fields.append((attribute.name, attribute.type, dataclasses.field(default=defaults.get(attribute.name, attribute.default))))
     # A chassis field every method shares: the plain (full-logits) log-prob path, for comparison.
     fields.append(("chunked_logprobs", bool, dataclasses.field(default=True)))
     # transformers 5 dropped this field; plait refuses an output_dir holding another run without it
@@ -135,6 +176,7 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
                              "the run) or 'skip' (skip that optimizer step)")
         values = {a.name: getattr(self, a.name) for a in attrs.fields(params)}
         try:
+            ModelLoading(**{a.name: getattr(self, a.name) for a in attrs.fields(ModelLoading)})  # validates them
             self.params = params(**values)
         except (TypeError, ValueError) as err:
             raise PlaitError(f"{name}: {err}") from err
@@ -214,6 +256,10 @@ class DatasetSpec:
     name: str | None = None
     data_files: str | list | dict | None = None
     split: str = "train"
+    data_dir: str | None = None
+    columns: list | None = None  # keep only these columns
+    fraction: float | None = None  # share of a mixture (plait.script_args.load_mixture)
+    streaming: bool = False
 
 
 @attrs.frozen
@@ -236,8 +282,9 @@ class RunConfig:
 
     method: str
     model: str
-    dataset: DatasetSpec
+    dataset: DatasetSpec | list  # a list: a mixture, concatenated (TRL's datasets:)
     eval_dataset: DatasetSpec | None = None
+    test_split_size: float | None = None  # hold out this share of the training data for evaluation
     loss: str | list | None = None
     reward_funcs: str | list | None = None
     ref_model: str | None = None
@@ -268,7 +315,9 @@ def _structure(cls: type, data: Any, path: str):
             continue
         value = data[key]
         nested = next((t for t in typing.get_args(attribute.type) or (attribute.type,) if attrs.has(t)), None)
-        if nested is not None and value is not None:
+        if nested is not None and isinstance(value, list) and list in typing.get_args(attribute.type):
+            value = [_structure(nested, item, f"{path}.{key}[{i}]") for i, item in enumerate(value)]
+        elif nested is not None and value is not None:
             value = _structure(nested, value, f"{path}.{key}")
         else:
             check_value(f"{path}.{key}", attribute.type, value)

@@ -11,6 +11,7 @@ the step and the loss part (or, with ``on_nonfinite_loss="skip"``, drops that up
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -29,7 +30,8 @@ from .config import config_fields
 from .errors import PlaitError
 from .logprobs import token_logprobs
 from .manager import Plugins, default_plugins
-from .models import load_model, load_tokenizer, wrap_peft
+from .models import (Reference, agree_on_tokens, disable_dropout, load_model, load_tokenizer, remote_code,
+                     wrap_peft)
 from .objective import Objective
 
 logger = logging.getLogger("plait")
@@ -53,6 +55,9 @@ class PlaitTrainer(Trainer):
     _nonfinite_loss: torch.Tensor | None = None
     nonfinite_steps_skipped: int = 0
     _wrapper: torch.nn.Module | None = None  # what trained_module() put around the policy, if anything
+    _router_aux_loss_coef: float = 0.0
+    _router_aux_losses: list[torch.Tensor] | None = None  # collected while a loss with gradient is computed
+    _offload_activations: bool = False
 
     def __init__(
         self,
@@ -74,39 +79,51 @@ class PlaitTrainer(Trainer):
             args = self.config_class(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-{self.method}")
         elif not isinstance(args, self.config_class):
             raise PlaitError(f"args is a {type(args).__name__}; {type(self).__name__} needs a {self.config_class.__name__}")
-        self.validate(args)  # everything the config can check, before any model loads
-        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        # trust_remote_code holds for every from_pretrained below and for reward models validate() resolves
+        with remote_code(args.trust_remote_code):
+            self.validate(args)  # everything the config can check, before any model loads
+            self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 
-        processing_class = load_tokenizer(model, processing_class)
-        with torch.random.fork_rng(devices=[]):  # weights the folder lacks (a new score head) come from args.seed
-            torch.manual_seed(args.seed)
-            model = load_model(model, getattr(args, "model_init_kwargs", None), auto_class=self.auto_model_class)
-        self.peft_config = peft_config
-        model = self.before_peft(model, args, **kwargs)
-        model = wrap_peft(model, peft_config, args.gradient_checkpointing)
-        self._policy = model  # the model before accelerate wraps it; datasets may need it (cached reference)
+            processing_class = load_tokenizer(model, processing_class, chat_template_path=args.chat_template_path,
+                                              eos_token=args.eos_token, pad_token=args.pad_token)
+            with torch.random.fork_rng(devices=[]):  # weights the folder lacks (a new score head) come from args.seed
+                torch.manual_seed(args.seed)
+                model = load_model(model, getattr(args, "model_init_kwargs", None), auto_class=self.auto_model_class)
+            if args.eos_token is not None or args.pad_token is not None:
+                agree_on_tokens(processing_class, model, eos=args.eos_token is not None, pad=args.pad_token is not None)
+            self._router_aux_loss_coef = router_aux_loss_coefficient(model, args.router_aux_loss_coef)
+            self.peft_config = peft_config
+            model = self.before_peft(model, args, **kwargs)
+            model = wrap_peft(model, peft_config, args.gradient_checkpointing)
+            if args.disable_dropout:
+                for module in (model, *self.held_models()):
+                    disable_dropout(module)
+            self._policy = model  # the model before accelerate wraps it; datasets may need it (cached reference)
 
-        train_dataset = self.prepare(train_dataset, processing_class, args, "train")
-        if isinstance(eval_dataset, dict):
-            eval_dataset = {k: self.prepare(v, processing_class, args, k) for k, v in eval_dataset.items()}
-        elif eval_dataset is not None:
-            eval_dataset = self.prepare(eval_dataset, processing_class, args, "eval")
-        data_collator = data_collator or self.make_collator(processing_class, args)
+            train_dataset = self.prepare(train_dataset, processing_class, args, "train")
+            if isinstance(eval_dataset, dict):
+                eval_dataset = {k: self.prepare(v, processing_class, args, k) for k, v in eval_dataset.items()}
+            elif eval_dataset is not None:
+                eval_dataset = self.prepare(eval_dataset, processing_class, args, "eval")
+            data_collator = data_collator or self.make_collator(processing_class, args)
 
-        callbacks = list(callbacks or [])
-        for contributed in self.plugins.hook.trainer_callbacks(method=self.method, args=args):
-            callbacks.extend(contributed or [])
-        super().__init__(
-            model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
-            eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
-            optimizers=optimizers,
-        )
-        for module in self.auxiliary_modules().values():
-            module.to(args.device)
-        trained = self.trained_module(self._policy)
-        if trained is not self._policy:
-            self.model = self.model_wrapped = self._wrapper = trained
-        self.after_init()
+            callbacks = list(callbacks or [])
+            for contributed in self.plugins.hook.trainer_callbacks(method=self.method, args=args):
+                callbacks.extend(contributed or [])
+            super().__init__(
+                model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
+                optimizers=optimizers,
+            )
+            for module in self.auxiliary_modules().values():
+                module.to(args.device)
+            trained = self.trained_module(self._policy)
+            if trained is not self._policy:
+                self.model = self.model_wrapped = self._wrapper = trained
+            if self._router_aux_loss_coef:
+                self._add_router_aux_loss(self._policy)  # the outermost policy: PEFT passes the request on
+            self._offload_activations = args.activation_offloading and offloading_applies(args.device)
+            self.after_init()
 
     # -- what a method fills in ---------------------------------------------------------------
     def validate(self, args) -> None:
@@ -144,6 +161,70 @@ class PlaitTrainer(Trainer):
 
     def after_init(self) -> None:
         """Runs once the accelerator exists (prepare auxiliary models here)."""
+
+    def held_models(self) -> list[torch.nn.Module]:
+        """The models this trainer holds beside the policy: the reference's, a teacher, a value model."""
+        held: list[torch.nn.Module] = []
+        for value in vars(self).values():
+            module = value.model if isinstance(value, Reference) else value
+            if isinstance(module, torch.nn.Module) and not any(module is seen for seen in held):
+                held.append(module)
+        return held
+
+    # -- Mixture-of-Experts load balancing and activation offloading ---------------------------
+    def _add_router_aux_loss(self, policy: torch.nn.Module) -> None:
+        """Every gradient-taking policy forward of a loss computation returns its router logits;
+        the loss gains ``router_aux_loss_coef`` × their load-balancing loss (the mean over those
+        forwards), scaled like the loss for gradient accumulation, as TRL 1.16 does."""
+        policy.register_forward_pre_hook(self._request_router_logits, with_kwargs=True)
+        policy.register_forward_hook(self._keep_router_aux_loss)
+        method_loss = self.compute_loss
+
+        def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+            self._router_aux_losses = []
+            try:
+                result = method_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            finally:
+                collected, self._router_aux_losses = self._router_aux_losses, None
+            if not collected:  # evaluation: no gradient, no auxiliary loss
+                return result
+            loss = result[0] if return_outputs else result
+            aux = torch.stack([value.float().to(loss.device) for value in collected]).mean()
+            weighted = self._router_aux_loss_coef * aux
+            if self._loss_is_scaled_for_accumulation(num_items_in_batch):
+                weighted = weighted / getattr(self, "current_gradient_accumulation_steps", 1)
+            self.record({"aux_loss": aux.detach()})
+            return (loss + weighted, *result[1:]) if return_outputs else loss + weighted
+
+        self.compute_loss = compute_loss
+
+    def _request_router_logits(self, module, args, kwargs):
+        if self._router_aux_losses is not None and torch.is_grad_enabled():
+            return args, {**kwargs, "output_router_logits": True}
+        return None
+
+    def _keep_router_aux_loss(self, module, args, output) -> None:
+        if self._router_aux_losses is None or not torch.is_grad_enabled():
+            return
+        aux = getattr(output, "aux_loss", None)
+        if aux is None:
+            raise PlaitError(f"router_aux_loss_coef={self._router_aux_loss_coef}: {type(module).__name__} returned no "
+                             "aux_loss although asked for its router logits; set router_aux_loss_coef=0")
+        self._router_aux_losses.append(aux)
+
+    def _loss_is_scaled_for_accumulation(self, num_items_in_batch) -> bool:
+        """Did the method already divide its loss for gradient accumulation? (the Trainer's own rule)"""
+        if self.loss_is_scaled_for_ga is not None:
+            return self.loss_is_scaled_for_ga
+        return (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
+
+    def compute_loss_context_manager(self):
+        """The Trainer's (autocast), and with ``activation_offloading`` on an accelerator the
+        activations the training forward saves for backward wait in pinned CPU memory."""
+        stack = super().compute_loss_context_manager()
+        if self._offload_activations and self.model.training:
+            stack.enter_context(torch.autograd.graph.save_on_cpu(pin_memory=True))
+        return stack
 
     def token_logprobs(self, model, input_ids, attention_mask=None, **kwargs):
         """:func:`plait.logprobs.token_logprobs` on the path the config picks (chunked by default)."""
@@ -378,6 +459,32 @@ class PlaitTrainer(Trainer):
         if self.args.should_save and not _internal_call:
             with open(os.path.join(output_dir, METADATA_FILE), "w") as handle:
                 json.dump(self.run_metadata(), handle, indent=2)
+
+
+def router_aux_loss_coefficient(model: PreTrainedModel, coef: float | None) -> float:
+    """The weight of a Mixture-of-Experts model's load-balancing loss, by TRL 1.16's rule: a model
+    whose config has ``output_router_logits`` gets ``coef``, or its config's own
+    ``router_aux_loss_coef`` when ``coef`` is None; any other model gets none (and refuses a coef)."""
+    config = model.config.get_text_config()
+    if not hasattr(config, "output_router_logits"):
+        if coef:
+            raise PlaitError(f"router_aux_loss_coef={coef}: {type(model).__name__} is not a Mixture-of-Experts model "
+                             "that returns router logits, so there is no auxiliary loss to weigh; leave it unset")
+        return 0.0
+    return float(getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef)
+
+
+def offloading_applies(device: torch.device) -> bool:
+    """Offloading saved activations to CPU memory helps only where they would live on an accelerator."""
+    if device.type == "cpu":
+        _log_offloading_is_a_no_op()
+        return False
+    return True
+
+
+@functools.cache
+def _log_offloading_is_a_no_op() -> None:
+    logger.info("plait: activation_offloading=True does nothing on a CPU run: the activations already are in CPU memory")
 
 
 def _jsonable(value: Any) -> Any:
