@@ -124,6 +124,17 @@ def test_unpaired_batch_and_mismatched_kl_pairs(rows):
     assert rows_of(batch["kl_input_ids"], batch["kl_completion_mask"]) == rotated
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(ids, ids, ids), min_size=1, max_size=5))
+def test_unpaired_rows_with_fixed_partners_keep_them(rows):
+    examples = [{"prompt_ids": p, "completion_ids": c, "kl_completion_ids": k, "label": True, "ref_logps": -1.5}
+                for p, c, k in rows]
+    batch = collator("collator.unpaired")(examples)
+    assert rows_of(batch["kl_input_ids"], batch["kl_attention_mask"]) == [p + k for p, _, k in rows]
+    assert rows_of(batch["kl_input_ids"], batch["kl_completion_mask"]) == [k for _, _, k in rows]
+    assert batch["ref_logps"].tolist() == [-1.5] * len(rows)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(ids, min_size=1, max_size=5), multiples)
 def test_prompt_only_is_left_padded_for_generation(prompts, multiple):

@@ -138,11 +138,33 @@ def test_ld_alpha_weights_the_tail_beyond_the_shorter_completion(tmp_path):
     assert weights.tolist() == [[0, 1, 1, 0.25, 0.25, 0], [0, 0, 1, 1, 0, 0]]
 
 
-def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path):
-    args = config(tmp_path, sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.6, max_steps=2)
-    trainer = DPOTrainer(str(tiny_model_path()), args=args, train_dataset=preference_pairs(WORDS[:16]))
-    original = {n: p.detach().clone() for n, p in trainer.reference.model.named_parameters()}
-    trainer.train()
-    policy = dict(trainer.model.named_parameters())
-    for name, param in trainer.reference.model.named_parameters():
-        torch.testing.assert_close(param, 0.6 * policy[name].detach() + 0.4 * original[name])
+# TR-DPO's sync (sync_ref_model) is tested with KTO, GRPO and RLOO in test_reference_sync.py.
+
+LONG_PAIRS = Dataset.from_list([
+    {"prompt": "The sky is", "chosen": " very blue today.", "rejected": " red"},  # 5 + 9 / 5 + 3 tokens
+    {"prompt": "Sky:", "chosen": " blue", "rejected": " red"},  # 4 + 4 / 4 + 3
+    {"prompt": "one two three four", "chosen": " a", "rejected": " red"},  # 10 + 2 / 10 + 3
+])
+
+
+def test_truncation_keeps_the_start_by_default_as_trl(tmp_path):
+    """Token lists from the tiny tokenizer (EOS = 4); TRL 1.16 collates the same ids for these pairs."""
+    trainer = DPOTrainer(str(tiny_model_path()), args=config(tmp_path, max_length=8), train_dataset=LONG_PAIRS)
+    assert trainer.args.truncation_mode == "keep_start"
+    rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    assert [(r["prompt_ids"], r["chosen_ids"], r["rejected_ids"]) for r in rows] == [
+        ([927, 262, 79, 93, 857], [225, 345, 93], [322, 72, 4]),
+        ([55, 79, 93, 30], [272, 80, 309, 4], [322, 72, 4]),
+    ]  # a prompt that fills max_length leaves no completion: dropped, as TRL does
+
+
+def test_keep_end_cuts_one_shared_prompt(tmp_path):
+    """plait's keep_end: the prompt's start goes, both sides keep the same prompt (TRL 1.16 cuts each
+    sequence on its own, so a pair's two sides may see different prompts, or none)."""
+    trainer = DPOTrainer(str(tiny_model_path()), args=config(tmp_path, max_length=8, truncation_mode="keep_end"),
+                         train_dataset=LONG_PAIRS)
+    rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    assert [(r["prompt_ids"], r["chosen_ids"], r["rejected_ids"]) for r in rows] == [
+        ([55, 79, 93, 30], [272, 80, 309, 4], [322, 72, 4]),
+        ([285, 86, 304, 276, 329], [311, 4], [322, 72, 4]),
+    ]  # the first pair's chosen side alone fills max_length: no prompt fits, dropped

@@ -286,6 +286,42 @@ def test_grpo_options(tmp_path, policy, rollout, config):
     check_grpo(tmp_path, policy, rollout, **config)
 
 
+@pytest.mark.parametrize("config", [
+    dict(loss_type="dapo", entropy_coef=0.01),
+    dict(loss_type="grpo", entropy_coef=-0.05, top_entropy_quantile=0.5),
+    dict(loss_type="bnpo", top_entropy_quantile=0.2, beta=0.04),
+    dict(loss_type="sapo", top_entropy_quantile=0.0),
+    dict(loss_type="dapo", cast_lm_head_to_fp32=True, entropy_coef=0.01),
+])
+def test_grpo_entropy_options(tmp_path, policy, rollout, config):
+    check_grpo(tmp_path, policy, rollout, **config)
+
+
+@pytest.mark.parametrize("config", [
+    dict(loss_type="dapo", off_policy_mask_threshold=0.0),  # drops rows 0 and 2
+    dict(loss_type="luspo", off_policy_mask_threshold=0.05, beta=0.04),  # drops row 2
+    dict(loss_type="cispo", off_policy_mask_threshold=0.0, entropy_coef=0.02, top_entropy_quantile=0.5),
+])
+def test_grpo_off_policy_mask(tmp_path, policy, rollout, config):
+    # every advantage negative: rows 0 and 2 drifted from π_old by a mean 0.006 and 0.134 nats (the
+    # others by a negative amount), so a threshold of 0 drops both and 0.05 row 2 only
+    check_grpo(tmp_path, policy, {**rollout, "advantages": -rollout["advantages"].abs()}, **config)
+
+
+def test_grpo_adaptive_entropy_coefficient(tmp_path, policy, rollout):
+    """Two optimizer steps: no bonus on the first (no entropy measured yet), then the coefficient both
+    stepped up by Δ (the tiny model's entropy is below the target)."""
+    config = dict(num_generations=4, max_completion_length=8, loss_type="dapo", use_adaptive_entropy=True,
+                  entropy_coef=0.1, entropy_target=100.0, entropy_coef_delta=0.05, top_entropy_quantile=0.5)
+    theirs = trl.GRPOTrainer(model=copy.deepcopy(policy), reward_funcs=constant_reward, train_dataset=PROMPTS,
+                             args=trl.GRPOConfig(**common_args(tmp_path), **config))
+    ours = plait_grpo.GRPOTrainer(copy.deepcopy(policy), reward_funcs=constant_reward, train_dataset=PROMPTS,
+                                  args=plait_grpo.GRPOConfig(**common_args(tmp_path), **config))
+    for _ in range(2):
+        assert_same(loss_and_grad(ours, plait_rollout(rollout)), loss_and_grad(theirs, trl_rollout(rollout)))
+    assert ours.objective.terms[-1].params.controller.coef == pytest.approx(theirs.entropy_coef) == 0.2
+
+
 # -- KTO (unpaired data) ------------------------------------------------------------------------
 
 UNPAIRED = Dataset.from_list([{"prompt": "Tell me.", "completion": " Good.", "label": True},
@@ -334,3 +370,112 @@ def test_reward_model(tmp_path, tokenizer, config, margin):
     if margin:
         inputs["margin"] = torch.tensor([0.5, -0.2, 1.0])
     assert_same(loss_and_grad(trainers[1], inputs), loss_and_grad(trainers[0], inputs))
+
+
+# -- data preparation: truncation and KTO's mismatched pairs ------------------------------------
+
+LONG_PAIRS = Dataset.from_list([
+    {"prompt": "The sky is", "chosen": " very blue today.", "rejected": " red"},  # 5 + 9 / 5 + 3 tokens
+    {"prompt": "Sky:", "chosen": " blue", "rejected": " red"},
+    {"prompt": "one two three four", "chosen": " a", "rejected": " red"},  # a 10-token prompt
+])
+
+
+def both_trainers(tmp_path, name, model, data, tokenizer, **config):
+    """(TRL's trainer, plait's) for method ``name`` ("DPO", "KTO", "Reward") on the same data and config."""
+    modules = {"DPO": plait_dpo, "KTO": plait_kto, "Reward": plait_rm}
+    args = {**common_args(tmp_path), **config}
+    return [getattr(module, f"{name}Trainer")(model=copy.deepcopy(model), train_dataset=data, processing_class=tokenizer,
+                                              args=getattr(module, f"{name}Config")(**args))
+            for module in (trl, modules[name])]
+
+
+def collated(trainer, keys):
+    rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    batch = trainer.data_collator(rows)
+    return {key: batch[key].tolist() for key in keys}
+
+
+def test_dpo_default_truncation_collates_the_same_batch(tmp_path, tokenizer, reference):
+    theirs, ours = both_trainers(tmp_path, "DPO", reference, LONG_PAIRS, tokenizer, max_length=8)
+    assert ours.args.truncation_mode == theirs.args.truncation_mode == "keep_start"
+    keys = ("input_ids", "attention_mask", "completion_mask")
+    assert len(ours.train_dataset) == len(theirs.train_dataset) == 2  # the 10-token prompt is dropped by both
+    assert collated(ours, keys) == collated(theirs, keys)
+
+
+def test_reward_model_drops_pairs_longer_than_max_length(tmp_path, tokenizer):
+    head = AutoModelForSequenceClassification.from_pretrained(tiny_model_path(), num_labels=1)
+    head.config.pad_token_id = tokenizer.pad_token_id
+    theirs, ours = both_trainers(tmp_path, "Reward", head, LONG_PAIRS, tokenizer, max_length=8)
+    assert collated(ours, ("input_ids", "attention_mask")) == collated(theirs, ("input_ids", "attention_mask"))
+    assert len(ours.train_dataset) == 1
+
+
+def test_kto_truncation_keeps_the_start_and_the_row(tmp_path, tokenizer, reference):
+    data = Dataset.from_list([{"prompt": "The sky is", "completion": " very blue today.", "label": True},
+                              {"prompt": "Sky:", "completion": " red", "label": False},
+                              {"prompt": "one two three four", "completion": " a", "label": True}])
+    theirs, ours = both_trainers(tmp_path, "KTO", reference, data, tokenizer, max_length=8,
+                                 per_device_train_batch_size=2)
+    assert collated(ours, ("input_ids", "attention_mask", "completion_mask", "label")) == \
+        collated(theirs, ("input_ids", "attention_mask", "completion_mask", "label"))
+    # the mismatched pair of row 0 (whose partner's completion fits) is the same sequence
+    assert collated(ours, ("kl_input_ids",))["kl_input_ids"][0] == collated(theirs, ("KL_input_ids",))["KL_input_ids"][0]
+
+
+def test_kto_paired_data_never_pairs_a_prompt_with_its_own_completion_where_trl_does(tmp_path, tokenizer, reference):
+    """TRL 1.16 unpairs as [all chosen; all rejected] and rotates by one within each batch of 4:
+    with 3 pairs, the first batch is chosen 1-3 and rejected 1, and prompt 1 meets its own rejected
+    completion. plait keeps a pair's rows together and never pairs a prompt with its own completion."""
+    data = Dataset.from_list([{"prompt": f"Tell me about the {w}.", "chosen": f" The {w} is good.",
+                               "rejected": f" The {w} is bad."} for w in ("apple", "river", "stone")])
+    theirs, ours = both_trainers(tmp_path, "KTO", reference, data, tokenizer)
+
+    def own_prompt_pairs(dataset, kl_column):
+        rows = [dataset[i] for i in range(len(dataset))]
+        return sum(r[kl_column] in [o["completion_ids"] for o in rows if o["prompt_ids"] == r["prompt_ids"]] for r in rows)
+
+    assert own_prompt_pairs(theirs.train_dataset, "KL_completion_ids") == 1
+    assert own_prompt_pairs(ours.train_dataset, "kl_completion_ids") == 0
+    assert ours.args.train_sampling_strategy == theirs.args.train_sampling_strategy == "sequential"
+
+
+@pytest.mark.parametrize("name, config", [
+    ("KTO", dict(sync_ref_model=True, precompute_ref_log_probs=True)),
+    ("DPO", dict(sync_ref_model=True, precompute_ref_log_probs=True)),
+])
+def test_sync_ref_model_refusals(tmp_path, tokenizer, reference, name, config):
+    for module, error in ((trl, (ValueError, NotImplementedError)), ({"KTO": plait_kto, "DPO": plait_dpo}[name], PlaitError)):
+        with pytest.raises(error):
+            trainer_class, config_class = getattr(module, f"{name}Trainer"), getattr(module, f"{name}Config")
+            data = UNPAIRED if name == "KTO" else PREFERENCES
+            trainer_class(model=copy.deepcopy(reference), train_dataset=data, processing_class=tokenizer,
+                          args=config_class(**common_args(tmp_path), **config))
+
+
+def test_grpo_sync_ref_model_with_beta_0_is_refused_by_both(tmp_path, policy):
+    for module, error in ((trl, ValueError), (plait_grpo, PlaitError)):
+        with pytest.raises(error, match="sync_ref_model=True"):
+            module.GRPOTrainer(model=copy.deepcopy(policy), reward_funcs=constant_reward, train_dataset=PROMPTS,
+                               args=module.GRPOConfig(**common_args(tmp_path), num_generations=4, beta=0.0,
+                                                      sync_ref_model=True))
+
+
+def test_a_peft_policy_s_reference_is_its_initial_adapter_in_both(tmp_path, tokenizer, reference):
+    from peft import LoraConfig, get_peft_model
+    from trl.trainer.utils import use_adapter
+
+    model = get_peft_model(copy.deepcopy(reference), LoraConfig(r=4, target_modules="all-linear"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.5 * torch.randn(param.shape, generator=generator))
+    theirs, ours = both_trainers(tmp_path, "DPO", model, PREFERENCES, tokenizer)
+    ids = PREFERENCE_BATCH["input_ids"][:2]
+    with torch.no_grad(), use_adapter(theirs.model, "ref"):
+        expected = theirs.model(input_ids=ids).logits
+    got = ours.reference(ours.model, lambda m: m(input_ids=ids).logits)
+    torch.testing.assert_close(got, expected)
+    assert sum(p.numel() for p in ours.model.parameters()) == sum(p.numel() for p in theirs.model.parameters())

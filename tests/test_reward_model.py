@@ -145,6 +145,25 @@ def test_bad_models_and_data_are_refused(tmp_path):
         RewardTrainer(str(tiny_model_path()), args=config(tmp_path), train_dataset=unpaired)
 
 
+def test_pairs_longer_than_max_length_are_dropped_as_trl_or_truncated_when_asked(tmp_path, caplog):
+    """Token lists from the tiny tokenizer (EOS = 4), the ones TRL 1.16 keeps for these pairs."""
+    data = Dataset.from_list([
+        {"prompt": "The sky is", "chosen": " very blue today.", "rejected": " red"},  # 5 + 9 = 14 tokens: dropped
+        {"prompt": "Sky:", "chosen": " blue", "rejected": " red"},  # 8 and 7: kept
+        {"prompt": "one two three four", "chosen": " a", "rejected": " red"},  # 12 and 13: dropped
+    ])
+    with caplog.at_level("WARNING", logger="plait"):
+        kept = RewardTrainer(str(tiny_model_path()), args=config(tmp_path, max_length=8), train_dataset=data)
+    assert [(r["prompt_ids"], r["chosen_ids"], r["rejected_ids"]) for r in kept.train_dataset] == [
+        ([55, 79, 93, 30], [272, 80, 309, 4], [322, 72, 4])]
+    assert "dropped 2 of 3 train pairs longer than max_length=8" in caplog.text
+    truncated = RewardTrainer(str(tiny_model_path()), args=config(tmp_path, max_length=8, truncation_mode="keep_start"),
+                              train_dataset=data)
+    assert truncated.train_dataset[0]["chosen_ids"] == [225, 345, 93]  # 5 prompt tokens + 3
+    with pytest.raises(PlaitError, match="every one of the 3 train pairs is longer than max_length=4"):
+        RewardTrainer(str(tiny_model_path()), args=config(tmp_path, max_length=4), train_dataset=data)
+
+
 @pytest.mark.parametrize("overrides, phrase", [
     ({"center_rewards_coefficient": -0.1}, r"center_rewards_coefficient=-0.1 must be a number >= 0"),
     ({"max_length": 0}, r"max_length=0 must be a number > 0"),

@@ -1,9 +1,11 @@
 """The frozen reference of the offline preference methods (DPO, KTO), in one place.
 
-Both regularise the policy towards a reference π_ref: a separate frozen model (a copy of the
-policy, or ``ref_model``), or with PEFT and no ``ref_model`` the policy with its adapters off.
-With ``precompute_ref_log_probs`` the reference's log-probs are computed once before training,
-cached by everything they depend on, and carried by the dataset, so no reference is loaded.
+Both regularise the policy towards a reference π_ref (:class:`plait.models.Reference`): a
+separate frozen model (a copy of the policy, or ``ref_model``), with ``peft_config`` and no
+``ref_model`` the policy with its adapters off, or for a policy already wrapped in PEFT a frozen
+copy of its adapter. With ``precompute_ref_log_probs`` the reference's log-probs are computed
+once before training, cached by everything they depend on, and carried by the dataset, so no
+reference is loaded. ``sync_ref_model`` (TR-DPO) mixes the policy into a separate reference.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from plait.models import Reference, cached_tensors
+from plait.models import Reference, SyncReference, cached_tensors
 from plait.trainer import PlaitTrainer
 
 
 class ReferenceTrainer(PlaitTrainer):
-    """Base of offline methods with a reference; their params have ``ref_model_init_kwargs``,
+    """Base of offline methods with a reference; their params inherit
+    :class:`plait.models.ReferenceSync` and have ``ref_model_init_kwargs``,
     ``precompute_ref_log_probs``, ``precompute_ref_batch_size``, ``max_length``,
     ``truncation_mode`` and ``pad_to_multiple_of``."""
 
@@ -27,10 +30,10 @@ class ReferenceTrainer(PlaitTrainer):
         super().__init__(model, args=args, ref_model=ref_model, **kwargs)
 
     def before_peft(self, model, args, ref_model=None):
-        if self.peft_config is not None and ref_model is None:
-            self.reference = Reference.adapters_disabled()  # no second copy in memory
-        else:
-            self.reference = Reference.for_policy(model, ref_model, args.params.ref_model_init_kwargs)
+        self.reference = Reference.for_policy(model, ref_model, args.params.ref_model_init_kwargs,
+                                              peft_config=self.peft_config)
+        if args.params.sync_ref_model:
+            self.reference.check_syncable(model, self.peft_config)
         return model
 
     def after_init(self) -> None:
@@ -38,6 +41,8 @@ class ReferenceTrainer(PlaitTrainer):
             self.reference = Reference.none()  # every batch carries its cached reference log-probs
         if self.reference.model is not None:
             self.reference.model = self.accelerator.prepare_model(self.reference.model, evaluation_mode=True)
+        if self.args.params.sync_ref_model:
+            self.add_callback(SyncReference(self.reference))
 
     def with_reference_logps(self, dataset, processing_class, args, columns: Sequence[str],
                              compute: Callable[[dict], Sequence[torch.Tensor]], **depends_on):
@@ -48,7 +53,8 @@ class ReferenceTrainer(PlaitTrainer):
         size = p.precompute_ref_batch_size or args.per_device_train_batch_size
         depends_on = {
             "method": self.method, "columns": list(columns), "reference": self.reference.model or self._policy,
-            "adapters_off": self.reference.adapters_off, "tokenizer": processing_class, "data": dataset,
+            "adapters_off": self.reference.adapters_off, "adapter": self.reference.adapter,
+            "tokenizer": processing_class, "data": dataset,
             "max_length": p.max_length, "truncation_mode": p.truncation_mode, "pad_to_multiple_of": p.pad_to_multiple_of,
             "batch_size": size, "chunked_logprobs": args.chunked_logprobs, **depends_on,
         }

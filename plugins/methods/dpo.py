@@ -12,15 +12,16 @@ import logging
 
 import attrs
 import torch
-from transformers import TrainerCallback
 
 from plait import Method, PlaitError, hookimpl
 from plait.batches import PreferenceLogps, masked_mean
 from plait.config import method_config
 from plait.data import prepare_dataset
 from plait.divergences import f_divergence
+from plait.models import ReferenceSync
 from plait.objective import LossChoice, Objective
 from plait.params import in_range, positive
+from plait.plugins.data._collate import pad_multiple_field, row_token_logprobs
 
 from ._reference import ReferenceTrainer
 
@@ -31,8 +32,8 @@ def _optional(validator):
 
 
 @attrs.define
-class DPOParams(LossChoice):
-    """DPO's own knobs; names follow TRL's DPOConfig."""
+class DPOParams(ReferenceSync, LossChoice):
+    """DPO's own knobs (TR-DPO's from :class:`ReferenceSync`); names and defaults follow TRL's DPOConfig."""
 
     default_loss = "sigmoid"
     beta: float = attrs.field(default=0.1, validator=positive)
@@ -40,13 +41,14 @@ class DPOParams(LossChoice):
     f_divergence_type: str = "reverse_kl"
     f_alpha_divergence_coef: float = attrs.field(default=0.5, validator=positive)
     max_length: int | None = 1024
-    truncation_mode: str = "keep_end"
-    pad_to_multiple_of: int | None = None
+    truncation_mode: str = "keep_start"
+    pad_to_multiple_of: int | str | None = pad_multiple_field()
+    # chosen and rejected sequences back to back in one row, no padding (plait.plugins.data.collators.preference)
+    padding_free: bool = False
+    # DiscoPOP's temperature (loss_type='discopop'; Lu et al. 2024)
+    discopop_tau: float = attrs.field(default=0.05, validator=positive)
     precompute_ref_log_probs: bool = False
     precompute_ref_batch_size: int | None = None
-    sync_ref_model: bool = False
-    ref_model_mixup_alpha: float = attrs.field(default=0.6, validator=in_range(0.0, 1.0))
-    ref_model_sync_steps: int = attrs.field(default=512, validator=positive)
     ld_alpha: float | None = attrs.field(default=None, validator=_optional(in_range(0.0, 1.0)))
     use_weighting: bool = False
     # WPO's authors cap each pair's weight at 1 in their code (wzhouad/WPO); TRL 1.16 does not (None).
@@ -57,15 +59,12 @@ class DPOParams(LossChoice):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        if self.precompute_ref_log_probs and self.sync_ref_model:
-            raise PlaitError("DPOConfig: precompute_ref_log_probs=True cannot be combined with sync_ref_model=True "
-                             "(the cached reference would go stale); turn one off")
         f_divergence(self.f_divergence_type, self.f_alpha_divergence_coef)  # unknown names fail now
 
 
 DPOConfig = method_config(
     "DPOConfig", DPOParams,
-    defaults={"learning_rate": 1e-6, "logging_steps": 10, "remove_unused_columns": False},
+    defaults={"learning_rate": 1e-6, "logging_steps": 10, "remove_unused_columns": False, "disable_dropout": True},
 )
 
 
@@ -79,7 +78,7 @@ class DPOTrainer(ReferenceTrainer):
         p = args.params
         self.objective = Objective.build(
             p.loss_specs(), self.plugins.losses, family="dpo", consumes=PreferenceLogps,
-            shared={"beta": p.beta, "label_smoothing": p.label_smoothing},
+            shared={"beta": p.beta, "label_smoothing": p.label_smoothing, "discopop_tau": p.discopop_tau},
         )
         self.divergence = f_divergence(p.f_divergence_type, p.f_alpha_divergence_coef)
         self._check_losses_support(p)
@@ -104,12 +103,6 @@ class DPOTrainer(ReferenceTrainer):
                            "exo_pair, aot and aot_unpaired); for conservative DPO use loss_type='cdpo'",
                            p.label_smoothing, [t.name for t in terms])
 
-    def before_peft(self, model, args, ref_model=None):
-        if self.peft_config is not None and ref_model is None and args.params.sync_ref_model:
-            raise PlaitError("sync_ref_model=True needs a separate reference, but with peft_config the reference "
-                             "is the policy with adapters off; pass ref_model or disable sync_ref_model")
-        return super().before_peft(model, args, ref_model)
-
     def prepare(self, dataset, processing_class, args, split):
         if dataset is None:
             return None
@@ -126,19 +119,14 @@ class DPOTrainer(ReferenceTrainer):
         return dataset
 
     def make_collator(self, processing_class, args):
-        factory = self.plugins.collators.get("collator.preference").obj
-        return factory(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
-
-    def after_init(self) -> None:
-        super().after_init()
-        if self.args.params.sync_ref_model:
-            self.add_callback(_SyncReference(self))
+        name = "collator.preference_padding_free" if args.params.padding_free else "collator.preference"
+        return self.plugins.collators.get(name).obj(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
 
     # -- one step -----------------------------------------------------------------------------
     def completion_logps(self, model, inputs) -> tuple[torch.Tensor, object]:
         """Summed log-probs over each row's completion (LD-DPO reweights the tail beyond the shorter one)."""
-        out = self.token_logprobs(model, inputs["input_ids"], inputs["attention_mask"], with_logit_mean=True,
-                             with_collision=self.args.params.use_weighting)
+        out = row_token_logprobs(self.token_logprobs, model, inputs, with_logit_mean=True,
+                                 with_collision=self.args.params.use_weighting)
         return (out.logps * self._token_weights(inputs["completion_mask"])).sum(-1), out
 
     def _token_weights(self, mask: torch.Tensor) -> torch.Tensor:
@@ -193,17 +181,6 @@ class DPOTrainer(ReferenceTrainer):
         chosen, rejected = per_row.chunk(2)
         weights = torch.exp(chosen + rejected)
         return weights if cap is None else weights.clamp(max=cap)
-
-
-class _SyncReference(TrainerCallback):
-    """TR-DPO (Gorbatovski et al. 2024): every ref_model_sync_steps, mix the policy into the reference."""
-
-    def __init__(self, trainer: DPOTrainer):
-        self.trainer = trainer
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % args.params.ref_model_sync_steps == 0:
-            self.trainer.reference.mix_from(self.trainer.model, args.params.ref_model_mixup_alpha)
 
 
 def _takes(term, name: str) -> bool:

@@ -3,16 +3,19 @@
 Each example is a prompt, one completion and a boolean label (desirable or not); preference
 pairs are split into one desirable and one undesirable example by the data layer. The reference
 point z is the policy/reference log-ratio on *mismatched* pairs (prompt i with the completion
-of another example in the batch, built by ``collator.unpaired``), averaged over every process
-and clamped at 0, without gradient (paper, Sec. 4.1). The method packs the log-probs into a
-:class:`plait.batches.UnpairedLogps` and hands it to the composed ``kto.*`` losses (``kto.kto``
-by default, ``kto.apo_zero_unpaired``). The reference is handled as in DPO: a frozen copy, the
-policy with adapters off under PEFT, or log-probs precomputed once.
+of another example), averaged over every process and clamped at 0, without gradient (paper,
+Sec. 4.1). Each row's partner is fixed when the data is prepared (:func:`mismatched_partners`):
+never a row with the same prompt, and under TRL's default sequential sampling one of the rows
+of its own batch. The method packs the log-probs into a :class:`plait.batches.UnpairedLogps`
+and hands it to the composed ``kto.*`` losses (``kto.kto`` by default, ``kto.apo_zero_unpaired``).
+The reference is handled as in DPO: a frozen copy, the policy with adapters off under PEFT, a
+frozen adapter copy for a PEFT policy, or log-probs precomputed once; TR-DPO's sync applies.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Sequence
 
 import attrs
 import torch
@@ -21,9 +24,10 @@ from plait import Method, hookimpl
 from plait.batches import UnpairedLogps
 from plait.config import method_config
 from plait.data import prepare_dataset
+from plait.models import ReferenceSync
 from plait.objective import LossChoice, Objective
 from plait.params import positive
-from plait.plugins.data._collate import check_multiple, pad_token_id, padded_batch, sequences
+from plait.plugins.data._collate import pad_multiple_field
 
 from ._reference import ReferenceTrainer
 
@@ -31,16 +35,18 @@ logger = logging.getLogger("plait")
 
 
 @attrs.define
-class KTOParams(LossChoice):
-    """KTO's own knobs; names follow TRL's KTOConfig."""
+class KTOParams(ReferenceSync, LossChoice):
+    """KTO's own knobs (TR-DPO's from :class:`ReferenceSync`); names and defaults follow TRL's KTOConfig.
+
+    ``truncation_mode`` is plait's: TRL 1.16 always keeps the start (``keep_start``, the default)."""
 
     default_loss = "kto"
     beta: float = attrs.field(default=0.1, validator=positive)
     desirable_weight: float = attrs.field(default=1.0, validator=positive)
     undesirable_weight: float = attrs.field(default=1.0, validator=positive)
     max_length: int | None = attrs.field(default=1024, validator=attrs.validators.optional(positive))
-    truncation_mode: str = "keep_end"
-    pad_to_multiple_of: int | None = None
+    truncation_mode: str = "keep_start"
+    pad_to_multiple_of: int | str | None = pad_multiple_field()
     precompute_ref_log_probs: bool = False
     precompute_ref_batch_size: int | None = None
     model_init_kwargs: dict | None = None
@@ -50,7 +56,9 @@ class KTOParams(LossChoice):
 
 KTOConfig = method_config(
     "KTOConfig", KTOParams,
-    defaults={"learning_rate": 1e-6, "logging_steps": 10, "remove_unused_columns": False},
+    # sequential: a batch is consecutive rows, so its mismatched completions are its own (TRL's default)
+    defaults={"learning_rate": 1e-6, "logging_steps": 10, "remove_unused_columns": False, "disable_dropout": True,
+              "train_sampling_strategy": "sequential"},
 )
 
 
@@ -69,23 +77,47 @@ def check_class_balance(labels, desirable_weight: float, undesirable_weight: flo
     return ratio
 
 
-class _UnpairedBatches:
-    """``collator.unpaired`` plus what a precomputed reference adds to each row: its cached
-    log-probs, and the fixed mismatched completion its cached KL log-prob was computed for."""
+def mismatched_partners(prompts: Sequence[Sequence[int]], batch_size: int) -> list[int]:
+    """For each row, the row whose completion its KL pair borrows; never a row with the same prompt.
 
-    def __init__(self, collate, processing_class, pad_to_multiple_of):
-        self.collate = collate
-        self.pad_id, self.multiple = pad_token_id(processing_class), check_multiple(pad_to_multiple_of)
+    Rows are taken in consecutive blocks of ``batch_size``, the batches a sequential sampler
+    serves: within a block, the smallest rotation under which no row meets its own prompt, so
+    the mismatched completions of a batch are the batch's own completions, as the KTO paper
+    recommends (Sec. 4.1; TRL 1.16 always rotates by one). A block no rotation clears (a single
+    row, or one prompt filling most of it) borrows, row by row, the nearest earlier row of the
+    dataset with another prompt. Only when every row has the same prompt does a row borrow
+    another row's completion for it. Deterministic: the same rows give the same partners.
+    """
+    index: dict[tuple, int] = {}
+    keys = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    partners: list[int] = []
+    for start in range(0, len(keys), batch_size):
+        block = keys[start:start + batch_size]
+        size = len(block)
+        shift = next((s for s in range(1, size) if all(block[k] != block[k - s] for k in range(size))), None)
+        if shift is not None:
+            partners += [start + (k - shift) % size for k in range(size)]
+        else:
+            partners += [_nearest_other_prompt(keys, start + k) for k in range(size)]
+    if len(index) == 1 and len(keys) > 1:
+        logger.warning("KTO: every row has the same prompt, so each KL pair is that prompt with another row's "
+                       "completion; the estimate z is only meaningful with several prompts")
+    return partners
 
-    def __call__(self, rows: list[dict]) -> dict:
-        batch = self.collate(rows)
-        if "kl_completion_ids" in rows[0]:
-            pairs = sequences([r["prompt_ids"] for r in rows], [r["kl_completion_ids"] for r in rows])
-            batch.update(padded_batch(*pairs, self.pad_id, self.multiple, prefix="kl_"))
-        for key in ("ref_logps", "ref_kl_logps"):
-            if key in rows[0]:
-                batch[key] = torch.tensor([float(r[key]) for r in rows], dtype=torch.float32)
-        return batch
+
+def _nearest_other_prompt(keys: list[int], row: int) -> int:
+    for back in range(1, len(keys)):
+        if keys[row - back] != keys[row]:  # negative indices wrap: the search is cyclic
+            return (row - back) % len(keys)
+    return (row - 1) % len(keys)  # one prompt throughout: another row, or the row itself when alone
+
+
+def _fit(completion: list[int], room: int, truncation_mode: str) -> list[int]:
+    """``completion`` cut to ``room`` tokens from the side ``truncation_mode`` drops."""
+    room = max(room, 0)
+    if len(completion) <= room:
+        return completion
+    return completion[:room] if truncation_mode == "keep_start" else completion[len(completion) - room:]
 
 
 class KTOTrainer(ReferenceTrainer):
@@ -99,9 +131,6 @@ class KTOTrainer(ReferenceTrainer):
         shared = {"beta": p.beta, "desirable_weight": p.desirable_weight, "undesirable_weight": p.undesirable_weight}
         self.objective = Objective.build(p.loss_specs(), self.plugins.losses, family="kto", consumes=UnpairedLogps,
                                          shared=shared)
-        if args.per_device_train_batch_size < 2:
-            logger.warning("KTO: per_device_train_batch_size=1 pairs each prompt with its own completion, so the KL "
-                           "estimate z equals the example's own log-ratio; use a batch of 2 or more")
 
     def prepare(self, dataset, processing_class, args, split):
         if dataset is None:
@@ -113,20 +142,30 @@ class KTOTrainer(ReferenceTrainer):
         )
         if split == "train":
             check_class_balance(dataset["label"], p.desirable_weight, p.undesirable_weight)
+        dataset = self.with_mismatched_completions(dataset, args, split)
         if p.precompute_ref_log_probs:
-            # each row's mismatched partner (the previous row's completion) is fixed before the reference sees it
-            completions = list(dataset["completion_ids"])
-            dataset = dataset.add_column("kl_completion_ids", completions[-1:] + completions[:-1])
             dataset = self.with_reference_logps(
                 dataset, processing_class, args, ("ref_logps", "ref_kl_logps"),
                 lambda batch: [self.reference(self._policy, lambda m: self.completion_logps(m, batch, prefix))
                                for prefix in ("", "kl_")])
         return dataset
 
+    @staticmethod
+    def with_mismatched_completions(dataset, args, split: str):
+        """``dataset`` with each row's KL completion (``kl_completion_ids``) fixed by
+        :func:`mismatched_partners` over the split's batches, cut so that the prompt and it fit
+        ``max_length`` as ``truncation_mode`` says."""
+        p = args.params
+        size = args.per_device_train_batch_size if split == "train" else args.per_device_eval_batch_size
+        prompts, completions = list(dataset["prompt_ids"]), list(dataset["completion_ids"])
+        borrowed = [completions[j] for j in mismatched_partners(prompts, size)]
+        if p.max_length is not None:
+            borrowed = [_fit(c, p.max_length - len(prompt), p.truncation_mode) for prompt, c in zip(prompts, borrowed)]
+        return dataset.add_column("kl_completion_ids", borrowed)
+
     def make_collator(self, processing_class, args):
         factory = self.plugins.collators.get("collator.unpaired").obj
-        pad_to = args.params.pad_to_multiple_of
-        return _UnpairedBatches(factory(processing_class, pad_to_multiple_of=pad_to), processing_class, pad_to)
+        return factory(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
 
     # -- one step -----------------------------------------------------------------------------
     def completion_logps(self, model, inputs, prefix: str = "") -> torch.Tensor:

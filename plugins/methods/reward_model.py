@@ -23,7 +23,7 @@ from plait.config import method_config
 from plait.data import prepare_dataset
 from plait.objective import LossChoice, Objective
 from plait.params import non_negative, positive
-from plait.plugins.data._collate import pad_token_id
+from plait.plugins.data._collate import pad_multiple_field, pad_token_id
 from plait.trainer import PlaitTrainer
 
 logger = logging.getLogger("plait")
@@ -31,21 +31,44 @@ logger = logging.getLogger("plait")
 
 @attrs.define
 class RewardParams(LossChoice):
-    """The reward model's own knobs; names follow TRL's RewardConfig."""
+    """The reward model's own knobs; names and defaults follow TRL's RewardConfig.
+
+    Pairs longer than ``max_length`` (prompt + chosen or prompt + rejected) are dropped, as TRL
+    1.16 does; ``truncation_mode`` (plait's) ``"keep_start"`` or ``"keep_end"`` truncates them instead."""
 
     default_loss = "bradley_terry"
     center_rewards_coefficient: float | None = attrs.field(default=None, validator=attrs.validators.optional(non_negative))
     max_length: int | None = attrs.field(default=1024, validator=attrs.validators.optional(positive))
-    truncation_mode: str = "keep_end"
-    pad_to_multiple_of: int | None = None
+    truncation_mode: str | None = None
+    pad_to_multiple_of: int | str | None = pad_multiple_field()
     model_init_kwargs: dict | None = None
     dataset_num_proc: int | None = None
 
 
 RewardConfig = method_config(
     "RewardConfig", RewardParams,
-    defaults={"learning_rate": 1e-4, "logging_steps": 10, "remove_unused_columns": False},
+    defaults={"learning_rate": 1e-4, "logging_steps": 10, "remove_unused_columns": False, "disable_dropout": True,
+              "router_aux_loss_coef": 0.0},  # TRL's RewardConfig has no router_aux_loss_coef: no load-balancing loss
 )
+
+
+def drop_longer_pairs(dataset, max_length: int | None, split: str):
+    """``dataset`` without the pairs whose chosen or rejected sequence (prompt included) is longer than ``max_length``."""
+    if max_length is None:
+        return dataset
+
+    def fits(row) -> bool:
+        return len(row["prompt_ids"]) + max(len(row["chosen_ids"]), len(row["rejected_ids"])) <= max_length
+
+    kept = dataset.filter(fits, desc=f"plait: dropping {split} pairs longer than max_length={max_length}")
+    if len(kept) == 0:
+        raise PlaitError(f"every one of the {len(dataset)} {split} pairs is longer than max_length={max_length} "
+                         "tokens; raise max_length, or set truncation_mode='keep_start' to truncate them")
+    if len(kept) < len(dataset):
+        logger.warning("reward model: dropped %d of %d %s pairs longer than max_length=%d tokens (as TRL does); "
+                       "raise max_length, or set truncation_mode='keep_start' to truncate them instead",
+                       len(dataset) - len(kept), len(dataset), split, max_length)
+    return kept
 
 
 class ScalarRewardModel:
@@ -101,10 +124,14 @@ class RewardTrainer(PlaitTrainer):
         if dataset is None:
             return None
         p = args.params
-        return prepare_dataset(
-            dataset, processing_class, "preference", plugins=self.plugins, max_length=p.max_length,
-            truncation_mode=p.truncation_mode, num_proc=p.dataset_num_proc,
-        )
+        if p.truncation_mode is not None:
+            return prepare_dataset(
+                dataset, processing_class, "preference", plugins=self.plugins, max_length=p.max_length,
+                truncation_mode=p.truncation_mode, num_proc=p.dataset_num_proc,
+            )
+        dataset = prepare_dataset(dataset, processing_class, "preference", plugins=self.plugins,
+                                  num_proc=p.dataset_num_proc)
+        return drop_longer_pairs(dataset, p.max_length, split)
 
     def make_collator(self, processing_class, args):
         factory = self.plugins.collators.get("collator.preference").obj

@@ -1,8 +1,10 @@
 """Unpaired batches (KTO), with the mismatched pairs its KL estimate needs.
 
 KTO's reference point z is estimated from prompts paired with completions that were written
-for *other* prompts (Ethayarajh et al. 2024, KTO, Sec. 4.1): row i's KL pair is prompt i with
-the completion of row i-1 (the batch rotated by one).
+for *other* prompts (Ethayarajh et al. 2024, KTO, Sec. 4.1). A row may carry its partner's
+completion as ``kl_completion_ids`` (KTO fixes them when it prepares the data, so no pair is a
+prompt with its own completion); otherwise row i borrows the completion of row i-1 (the batch
+rotated by one).
 """
 
 import torch
@@ -11,13 +13,17 @@ from plait import hookimpl
 
 from .._collate import check_multiple, pad_token_id, padded_batch, sequences
 
+PASSTHROUGH = ("ref_logps", "ref_kl_logps")
 
-def unpaired_collator(processing_class, *, pad_to_multiple_of=None):
-    """Collate rows with ``prompt_ids``, ``completion_ids``, ``label``.
+
+def unpaired_collator(processing_class, *, pad_to_multiple_of=None, passthrough=PASSTHROUGH):
+    """Collate rows with ``prompt_ids``, ``completion_ids``, ``label`` (and optionally
+    ``kl_completion_ids``).
 
     Returns ``input_ids``, ``attention_mask``, ``completion_mask`` ``[B, T]``, ``label`` (bool
-    ``[B]``) and ``kl_input_ids``, ``kl_attention_mask``, ``kl_completion_mask`` for the
-    mismatched pairs (with ``B = 1`` the pair is the row itself).
+    ``[B]``), ``kl_input_ids``, ``kl_attention_mask``, ``kl_completion_mask`` for the mismatched
+    pairs (with ``B = 1`` and no ``kl_completion_ids`` the pair is the row itself), and each
+    column of ``passthrough`` that every row has (cached reference log-probs) as a float ``[B]``.
     """
     pad_id, multiple = pad_token_id(processing_class), check_multiple(pad_to_multiple_of)
 
@@ -25,9 +31,15 @@ def unpaired_collator(processing_class, *, pad_to_multiple_of=None):
         prompts = [ex["prompt_ids"] for ex in examples]
         completions = [ex["completion_ids"] for ex in examples]
         batch = padded_batch(*sequences(prompts, completions), pad_id, multiple)
-        rotated = completions[-1:] + completions[:-1]
-        batch.update(padded_batch(*sequences(prompts, rotated), pad_id, multiple, prefix="kl_"))
+        if all(ex.get("kl_completion_ids") is not None for ex in examples):
+            mismatched = [ex["kl_completion_ids"] for ex in examples]
+        else:
+            mismatched = completions[-1:] + completions[:-1]
+        batch.update(padded_batch(*sequences(prompts, mismatched), pad_id, multiple, prefix="kl_"))
         batch["label"] = torch.tensor([bool(ex["label"]) for ex in examples], dtype=torch.bool)
+        for key in passthrough:
+            if all(ex.get(key) is not None for ex in examples):
+                batch[key] = torch.tensor([float(ex[key]) for ex in examples], dtype=torch.float32)
         return batch
 
     return collate
