@@ -253,15 +253,16 @@ class _Registered:
         return batch
 
     def _truncate(self, batch: dict, prefix: str) -> None:
-        from plait.plugins.data._collate import pad
+        import torch
 
         lengths = batch[f"{prefix}attention_mask"].sum(dim=1).tolist()
         for name, value in (("input_ids", self.pad_token_id), ("attention_mask", 0), ("completion_mask", 0)):
             if f"{prefix}{name}" in batch:
-                rows = batch[f"{prefix}{name}"]
                 kept = [row[:n][-self.max_length:] if self.truncation_mode == "keep_end" else row[:min(n, self.max_length)]
-                        for row, n in zip(rows.tolist(), lengths)]
-                batch[f"{prefix}{name}"] = pad(kept, value, multiple=self.pad_to_multiple_of)
+                        for row, n in zip(batch[f"{prefix}{name}"], lengths)]
+                rows = torch.nn.utils.rnn.pad_sequence(kept, batch_first=True, padding_value=value)
+                extra = -rows.shape[1] % self.pad_to_multiple_of if self.pad_to_multiple_of else 0
+                batch[f"{prefix}{name}"] = torch.nn.functional.pad(rows, (0, extra), value=value)
 
 
 class DataCollatorForLanguageModeling(_Registered):

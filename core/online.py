@@ -113,6 +113,13 @@ class OnlineParams(ReferenceSync, GenerationChoice, LossChoice, RewardChoice):
         return self.num_generations if training or self.num_generations_eval is None else self.num_generations_eval
 
 
+def completion_columns(input_ids: Tensor, prompt_length: int) -> Tensor:
+    """[B, T] mask of the completion columns (prompts are left-padded to ``prompt_length``): the only
+    tokens whose log-probs the online losses read, so the only positions the output layer projects."""
+    columns = torch.arange(input_ids.shape[1], device=input_ids.device) >= prompt_length
+    return columns.expand_as(input_ids)
+
+
 # ---------------------------------------------------------------------------------------------
 # Sizes and the sampler
 # ---------------------------------------------------------------------------------------------
@@ -565,8 +572,9 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
         parts = []
         for start in range(0, batch["input_ids"].shape[0], size):
             rows = slice(start, start + size)
-            out = self.token_logprobs(model, batch["input_ids"][rows], batch["attention_mask"][rows],
-                                      temperature=self.args.params.temperature)
+            ids = batch["input_ids"][rows]
+            out = self.token_logprobs(model, ids, batch["attention_mask"][rows], temperature=self.args.params.temperature,
+                                      select=completion_columns(ids, width))
             parts.append(out.logps[:, width:].float())
         return torch.cat(parts)
 
@@ -585,7 +593,7 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
         p = self.args.params
         width = inputs["prompt_length"]
         out = self.token_logprobs(model, inputs["input_ids"], inputs["attention_mask"], temperature=p.temperature,
-                                  with_entropy=True)
+                                  with_entropy=True, select=completion_columns(inputs["input_ids"], width))
         logps, mask = out.logps[:, width:], inputs["completion_mask"]
         training = self.model.training
         batch = PolicyTokens(

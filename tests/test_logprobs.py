@@ -364,6 +364,8 @@ def bf16_prepared(model):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
+    # An earlier test in the same process may have left a default (fp32) state behind.
+    AcceleratorState._reset_state(reset_partial_state=True)
     try:
         return Accelerator(mixed_precision="bf16", cpu=True).prepare_model(model)
     finally:

@@ -1,0 +1,170 @@
+"""Padding-free preference batches (DPO): chosen and rejected sequences back to back in one row,
+positions restarting per sequence, no pad tokens; the losses and gradients equal the padded path."""
+
+import math
+import random
+
+import pytest
+import torch
+import transformers
+from datasets import Dataset
+from hypothesis import given, settings, strategies as st
+from transformers import AutoTokenizer
+
+from plait import make_plugins
+from plait.batches import PreferenceLogps
+from plait.logprobs import token_logprobs
+from plait.plugins.data._collate import row_token_logprobs, rows_from_flat
+from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
+from plait.testing.tiny_model import noisy_tiny_model, tiny_model_path
+
+TOK = AutoTokenizer.from_pretrained(tiny_model_path())
+COLLATORS = make_plugins().collators
+ids = st.lists(st.integers(5, 999), min_size=1, max_size=12)
+
+
+def collate(name, examples, **options):
+    return COLLATORS.get(name).obj(TOK, **options)(examples)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(ids, ids, ids), min_size=1, max_size=5), st.sampled_from([None, 1, 8]))
+def test_one_row_holds_every_sequence_and_maps_back_to_the_padded_rows(triples, multiple):
+    examples = [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r, "ref_chosen_logps": -1.0 * i, "ref_rejected_logps": -2.0}
+                for i, (p, c, r) in enumerate(triples)]
+    flat = collate("collator.preference_padding_free", examples, pad_to_multiple_of=multiple)
+    padded = collate("collator.preference", examples)
+    sequences = [p + c for p, c, _ in triples] + [p + r for p, _, r in triples]
+    total = sum(map(len, sequences))
+
+    assert flat["input_ids"].shape[0] == 1 and "attention_mask" not in flat
+    assert flat["input_ids"][0, :total].tolist() == [t for s in sequences for t in s]
+    assert flat["position_ids"][0, :total].tolist() == [i for s in sequences for i in range(len(s))]
+    width = flat["input_ids"].shape[1]
+    assert width - total < (multiple or 1) and width % (multiple or 1) == 0  # rounding only, as one extra sequence
+    assert flat["position_ids"][0, total:].tolist() == list(range(width - total))
+    assert flat["seq_lengths"].tolist() == list(map(len, sequences))
+    # the per-row layout is the padded collator's: completion masks, and every token back in its row
+    torch.testing.assert_close(flat["completion_mask"], padded["completion_mask"])
+    back = rows_from_flat(flat["input_ids"], flat["seq_lengths"], padded["input_ids"].shape[1])
+    torch.testing.assert_close(back, padded["input_ids"] * padded["attention_mask"])
+    torch.testing.assert_close(flat["ref_chosen_logps"], padded["ref_chosen_logps"])
+
+
+def test_rows_from_flat_by_hand_and_its_gradient():
+    values = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 9.0]], requires_grad=True)  # 9.0: rounding tail
+    rows = rows_from_flat(values, torch.tensor([2, 1, 3]), width=4)
+    assert rows.tolist() == [[1, 2, 0, 0], [3, 0, 0, 0], [4, 5, 6, 0]]
+    (rows * torch.arange(1.0, 5.0)).sum().backward()
+    assert values.grad.tolist() == [[1, 2, 1, 1, 2, 3, 0]]
+
+
+def variable_pairs(n, seed=0):
+    """Prompts and completions of very different lengths, so padding is a large share of a padded batch."""
+    rng = random.Random(seed)
+    words = "apple river stone cloud music garden window paper market forest".split()
+    text = lambda k: " ".join(rng.choices(words, k=k))  # noqa: E731
+    return Dataset.from_list([{"prompt": "Tell me " + text(rng.randint(1, 12)), "chosen": " " + text(rng.randint(1, 15)),
+                               "rejected": " " + text(rng.randint(1, 15))} for _ in range(n)])
+
+
+def trainer(tmp_path, padding_free, **overrides):
+    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3,
+                  report_to="none", save_strategy="no", seed=0, max_length=64, padding_free=padding_free,
+                  logging_steps=1)
+    # a reference other than the policy, so log-ratios and margins are not all zero
+    return DPOTrainer(str(tiny_model_path()), ref_model=noisy_tiny_model(scale=0.05),
+                      args=DPOConfig(**{**values, **overrides}), train_dataset=variable_pairs(8))
+
+
+def loss_and_gradients(t):
+    batch = t.data_collator([t.train_dataset[i] for i in range(len(t.train_dataset))])
+    t.model.train()
+    t.model.zero_grad()
+    loss = t.compute_loss(t.model, batch)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in t.model.named_parameters()}, batch
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"loss_type": ["sigmoid", "sft", "ipo"], "loss_weights": [1.0, 0.5, 0.2]},  # summed log-probs and lengths
+    {"ld_alpha": 0.5},  # per-token weights past the shorter completion
+    {"use_weighting": True},  # WPO: per-token collision log-probs
+    {"pad_to_multiple_of": 16},
+], ids=["sigmoid", "composed", "ld_alpha", "wpo", "multiple"])
+def test_dpo_loss_and_gradients_equal_the_padded_path(tmp_path, overrides):
+    padded_loss, padded_grads, padded_batch = loss_and_gradients(trainer(tmp_path, False, **overrides))
+    free_loss, free_grads, free_batch = loss_and_gradients(trainer(tmp_path, True, **overrides))
+    # the layouts really differ: 2B padded rows against one row with no pad token
+    assert padded_batch["input_ids"].shape[0] == 16 and free_batch["input_ids"].shape[0] == 1
+    assert free_batch["seq_lengths"].sum() < 0.8 * padded_batch["input_ids"].numel()
+    assert padded_loss.item() != pytest.approx(math.log(2), abs=1e-3)  # a real margin, not the zero-margin value
+    torch.testing.assert_close(free_loss, padded_loss, atol=1e-5, rtol=0)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(free_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert any(grad.abs().max() > 1e-3 for grad in padded_grads.values())
+
+
+def test_training_steps_and_cached_reference_equal_the_padded_path(tmp_path):
+    runs = {}
+    for padding_free in (False, True):
+        t = trainer(tmp_path / str(padding_free), padding_free, precompute_ref_log_probs=True)
+        runs[padding_free] = t.train_dataset, t
+        t.train()
+    (padded_data, padded), (free_data, free) = runs[False], runs[True]
+    for column in ("ref_chosen_logps", "ref_rejected_logps"):
+        torch.testing.assert_close(torch.tensor(free_data[column]), torch.tensor(padded_data[column]), atol=1e-5, rtol=0)
+    logged = [[e["loss"] for e in t.state.log_history if "loss" in e] for t in (padded, free)]
+    assert len(logged[0]) == 3 and logged[1] == pytest.approx(logged[0], abs=1e-5)
+    for (name, a), b in zip(padded.model.named_parameters(), free.model.parameters()):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# Llama is the tiny model's architecture (and SmolLM2's: tied embeddings, 64-wide heads); the
+# others read document boundaries from position_ids the same way in transformers 5.
+ARCHITECTURES = {
+    "smollm2-like llama": transformers.LlamaConfig(
+        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "qwen2": transformers.Qwen2Config(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "mistral (sliding window)": transformers.MistralConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, sliding_window=6, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+}
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_packed_rows_give_each_sequence_its_own_log_probs(architecture, attention):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(ARCHITECTURES[architecture], attn_implementation=attention)
+    rng = random.Random(1)
+    examples = [{"prompt_ids": [rng.randrange(5, 1000) for _ in range(rng.randint(1, 9))],
+                 "chosen_ids": [rng.randrange(5, 1000) for _ in range(rng.randint(1, 12))],
+                 "rejected_ids": [rng.randrange(5, 1000) for _ in range(rng.randint(1, 12))]} for _ in range(3)]
+    padded = collate("collator.preference", examples)
+    free = collate("collator.preference_padding_free", examples)
+    with torch.no_grad():
+        expected = row_token_logprobs(token_logprobs, model, padded, with_entropy=True)
+        got = row_token_logprobs(token_logprobs, model, free, with_entropy=True)
+    real = padded["attention_mask"].bool()
+    real[:, 0] = False  # a row's first token has no log-prob in either layout
+    for field in ("logps", "entropy"):
+        torch.testing.assert_close(getattr(got, field)[real], getattr(expected, field)[real], atol=1e-5, rtol=1e-5)
+
+
+def test_discopop_tau_reaches_the_loss(tmp_path):
+    t = DPOTrainer(str(tiny_model_path()), train_dataset=variable_pairs(4),
+                   args=DPOConfig(output_dir=str(tmp_path), loss_type="discopop", discopop_tau=0.2, beta=0.5,
+                                  report_to="none"))
+    assert t.objective.params_of("dpo.discopop").discopop_tau == 0.2
+    zero = torch.zeros(1)
+    batch = PreferenceLogps(torch.tensor([-3.0]), torch.tensor([-5.0]), zero, zero, zero + 1, zero + 1)
+    z = 0.5 * 2.0  # β·Δ
+    m = 1 / (1 + math.exp(-z / 0.2))
+    expected = (1 - m) * math.log1p(math.exp(-z)) + m * math.exp(-z)
+    assert t.objective(batch)[0].item() == pytest.approx(expected, rel=1e-6)
+    assert DPOConfig(output_dir=str(tmp_path)).discopop_tau == 0.05  # TRL 1.16's default
