@@ -48,8 +48,9 @@ class LogCompletionsCallback(TrainerCallback):
     completions for the first ``num_prompts`` evaluation prompts and log (step, prompt, completion).
 
     Prompts come from the evaluation dataset's ``prompt`` column (text or messages, rendered with
-    the chat template as TRL does), else its ``prompt_ids``, else the untrained beginning of each
-    ``input_ids`` row (the prompt of a prompt-completion row after plait tokenised it).
+    the chat template as TRL does), else its ``prompt_ids``, else the beginning of each ``input_ids``
+    row: its untrained prompt (a prompt-completion row after plait tokenised it), or the first half
+    of a row trained on every token (such as the text a ``formatting_func`` made).
     ``generation_config`` defaults to the model's own, with ``max_new_tokens`` = 64 when it sets no
     length. Rows accumulate in ``.table`` (TRL's attribute) and are printed; wandb receives the
     table when ``report_to`` includes it.
@@ -76,8 +77,8 @@ class LogCompletionsCallback(TrainerCallback):
         if "prompt_ids" in data.column_names:
             return [list(ids) for ids in data["prompt_ids"]]
         if "input_ids" in data.column_names and "completion_mask" in data.column_names:
-            return [list(ids[: list(mask).index(1)]) for ids, mask in zip(data["input_ids"], data["completion_mask"])
-                    if 1 in mask and mask[0] == 0]
+            return [list(ids[: list(mask).index(1)]) if mask[0] == 0 else list(ids[: max(1, len(ids) // 2)])
+                    for ids, mask in zip(data["input_ids"], data["completion_mask"]) if 1 in mask]
         raise PlaitError(f"LogCompletionsCallback: the eval_dataset has no prompts (columns {data.column_names}); "
                          "give it a 'prompt' column or prompt-completion rows")
 

@@ -134,6 +134,13 @@ def wrap_peft(model: PreTrainedModel, peft_config, gradient_checkpointing: bool 
     return get_peft_model(model, peft_config)
 
 
+def refuse_adapters_on_adapters(model, peft_config) -> None:
+    """A model already wrapped in PEFT trains its own adapter; a peft_config would stack a second (TRL 1.16 refuses it too)."""
+    if peft_config is not None and is_peft_model(model):
+        raise PlaitError("model is already a PEFT model and peft_config would add adapters on top; merge its "
+                         "adapter (merge_and_unload) and pass the base model with peft_config, or drop peft_config")
+
+
 def check_same_vocabulary(model: PreTrainedModel, other: PreTrainedModel, field: str) -> None:
     """Log-probs of one tokenisation are only comparable under the same vocabulary."""
     mine, theirs = model.config.get_text_config().vocab_size, other.config.get_text_config().vocab_size
@@ -171,9 +178,7 @@ class Reference:
             check_same_vocabulary(policy, ref, "ref_model")
             return cls(ref)
         if peft_config is not None:
-            if is_peft_model(policy):  # TRL 1.16 refuses it too
-                raise PlaitError("model is already a PEFT model and peft_config would add adapters on top; merge its "
-                                 "adapter (merge_and_unload) and pass the base model with peft_config, or drop peft_config")
+            refuse_adapters_on_adapters(policy, peft_config)
             return cls.adapters_disabled()
         if is_peft_model(policy):
             return cls(None, adapter=_add_frozen_adapter_copy(policy))

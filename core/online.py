@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import numbers
 from typing import Any, Callable, ClassVar
 
 import attrs
@@ -40,8 +41,8 @@ from .importance_sampling import importance_sampling_metrics, importance_weights
 from .models import Reference, ReferenceSync, SyncReference
 from .objective import LossChoice, Objective
 from .params import int_at_least, non_negative, one_of, positive
-from .scoring import (RewardChoice, UnscoredBatches, compute_rewards, resolve_advantage_estimator, resolve_reward_funcs, reward_metrics,
-                      reward_weights)
+from .scoring import (RewardChoice, RewardLogs, UnscoredBatches, compute_rewards, resolve_advantage_estimator,
+                      resolve_reward_funcs, reward_metrics, reward_weights)
 from .trainer import PlaitTrainer
 
 logger = logging.getLogger("plait")
@@ -282,6 +283,8 @@ class PromptData:
     task, cut to ``max_prompt_length``), batched left-padded by ``collator.prompt_only``.
     Shared by :class:`OnlineTrainer` and the on-policy PPO/distillation base."""
 
+    gives_eval_predictions = False  # no logits and labels for compute_metrics: evaluation samples and scores
+
     def prepare(self, dataset, processing_class, args, split):
         if dataset is None:
             return None
@@ -309,7 +312,7 @@ class CompletionsTable:
         if self.args.params.log_completions:
             self._completions_table = [
                 {"step": self.state.global_step, "prompt": prompt_text(prompt), "completion": text,
-                 **{name: float(values[i]) for name, values in columns.items()}}
+                 **{name: _table_value(values[i]) for name, values in columns.items()}}
                 for i, (prompt, text) in enumerate(zip(prompts, texts))
             ]
 
@@ -346,12 +349,12 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
-                 peft_config=None, plugins=None):
+                 quantization_config=None, peft_config=None, plugins=None):
         self._reward_specs = reward_funcs
         self._reward_processing_classes = reward_processing_classes
         super().__init__(model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, peft_config=peft_config, callbacks=callbacks,
-                         optimizers=optimizers, plugins=plugins)
+                         optimizers=optimizers, quantization_config=quantization_config, plugins=plugins)
 
     # -- construction -------------------------------------------------------------------------
     def validate(self, args) -> None:
@@ -519,10 +522,12 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
 
         completions = [[{"role": "assistant", "content": t}] if is_conversational(pr) else t
                        for t, pr in zip(generations.texts, prompts)]
+        logs = RewardLogs()  # what the reward functions log (log_extra, log_metric)
         rewards = compute_rewards(self.reward_funcs, prompts=prompts, completions=completions,
                                   completion_ids=generations.completion_ids, columns=columns,
                                   trainer_state=self.state, on_error=p.reward_error_policy,
-                                  timeout=p.reward_timeout).to(device)
+                                  timeout=p.reward_timeout, logs=logs).to(device)
+        self._record_logged_metrics(logs.metrics)
         everyone = self.accelerator.gather(rewards)
         if self.model.training:
             self.unscored.check(everyone)
@@ -536,8 +541,8 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
             per_step = per_step * self.args.gradient_accumulation_steps / self.sizes.steps_per_generation
         self._record_rollout(everyone, completion_mask, finished, advantages)
         scores = everyone[start:start + n]
-        self.keep_completions(prompts, generations.texts, **{f.name: scores[:, k] for k, f in enumerate(self.reward_funcs)},
-                              advantage=local)
+        table = {**{f.name: scores[:, k] for k, f in enumerate(self.reward_funcs)}, **logs.extra, "advantage": local}
+        self.keep_completions(prompts, generations.texts, **table)
         out = {
             "input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "completion_mask": loss_mask,
             "advantages": local, "prompt_length": batch["prompt_length"],
@@ -640,6 +645,18 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
         return loss.detach(), None, None
 
     # -- metrics and completions --------------------------------------------------------------
+    def _record_logged_metrics(self, metrics: dict[str, list[float]]) -> None:
+        """The scalars reward functions logged with ``log_metric``: each the mean of the values every
+        process logged for this generation batch (TRL 1.16's rule), then averaged per logging window."""
+        from accelerate.utils import gather_object
+
+        names = sorted(set(gather_object(list(metrics))))  # every process records the same names, in order
+        for name in names:
+            values = metrics.get(name, [])
+            local = torch.tensor([sum(values), len(values)], dtype=torch.float64, device=self.accelerator.device)
+            total, count = self.accelerator.gather(local).view(-1, 2).sum(0).tolist()
+            self.record({name: total / count})
+
     def _record_rollout(self, rewards: Tensor, completion_mask: Tensor, finished: Tensor, advantages: Tensor) -> None:
         metrics = reward_metrics(rewards.cpu(), [f.name for f in self.reward_funcs], self.group_size, self.reward_weights)
         lengths = self.accelerator.gather(completion_mask.sum(-1).float())
@@ -719,6 +736,13 @@ def split_rows(buffer: dict, parts: int, generator: torch.Generator, multiple: i
             chunk[key] = value
         chunks.append(chunk)
     return chunks
+
+
+def _table_value(value: Any) -> Any:
+    """A number of the completions table as a float; anything else (a column a reward logged) as it is."""
+    if torch.is_tensor(value) or (isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)):
+        return float(value)
+    return value
 
 
 def prompt_text(prompt: Any) -> str:

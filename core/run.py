@@ -357,6 +357,11 @@ def load_recipe(path: str | Path | None = None, overrides: Mapping[str, Any] = {
             raise PlaitError(f"{source}: method is {data['method']!r} but the command is 'plait {method}'; "
                              f"run 'plait {data['method']}' or change method")
     top, trl = _recipe_fields(), trl_fields()
+    # TRL's loss_type/loss_weights and plait's loss: section spell one choice: the command line's replaces the recipe's
+    if overrides.keys() & {"loss_type", "loss_weights"}:
+        data.pop("loss", None)
+    if "loss" in overrides and isinstance(data.get("training"), Mapping):
+        data["training"] = {k: v for k, v in data["training"].items() if k not in ("loss_type", "loss_weights")}
     for key, value in overrides.items():
         head, _, rest = key.partition(".")
         if head in top and head not in ("training", "method"):
@@ -481,6 +486,7 @@ def build_trainer(config: RunConfig, plugins: Plugins | None = None):
     if config.peft is not None:
         kwargs["peft_config"] = _lora_config(config.peft)
 
+    from .model_card import dataset_label
     from .script_args import load_mixture
 
     mixture = config.dataset if isinstance(config.dataset, list) else [config.dataset]
@@ -488,7 +494,9 @@ def build_trainer(config: RunConfig, plugins: Plugins | None = None):
     train, evaluation = splits["train"], splits.get("test")
     if config.eval_dataset is not None:
         evaluation = load_mixture([config.eval_dataset], config.eval_dataset.streaming)["train"]
-    return method.trainer(model=config.model, args=args, train_dataset=train, eval_dataset=evaluation, **kwargs)
+    trainer = method.trainer(model=config.model, args=args, train_dataset=train, eval_dataset=evaluation, **kwargs)
+    trainer.card_datasets = tuple(dataset_label(spec) for field, spec in dataset_specs(config) if field != "eval_dataset")
+    return trainer
 
 
 def run(config: RunConfig, plugins: Plugins | None = None):

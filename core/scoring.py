@@ -8,7 +8,8 @@ A method (GRPO, RLOO, ...) does four things with this module, and names no concr
   anything the ``resolve_reward`` hook understands: a callable, an import path
   ``pkg.module:func``, a sequence-classification reward model or its folder.
 * :func:`compute_rewards` calls every function on one batch of completions and returns
-  ``[N, K]`` scores with NaN for None. Async functions run concurrently in one event loop. A
+  ``[N, K]`` scores with NaN for None; what the functions log through TRL's ``log_extra`` and
+  ``log_metric`` lands in a :class:`RewardLogs`. Async functions run concurrently in one event loop. A
   function that raises is called again one example at a time to name the example that fails;
   one that does not return within ``timeout`` seconds is abandoned (sync functions then run in
   a worker thread, async ones under :func:`asyncio.wait_for`).
@@ -44,7 +45,7 @@ from .registry import Component, UnknownComponentError
 
 logger = logging.getLogger("plait")
 
-RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
+RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 ON_ERROR = ("fail", "none")
 _SOURCES_HINT = "or give a callable, an import path 'pkg.module:func', or a reward-model folder"
 
@@ -224,6 +225,56 @@ def reward_weights(funcs: Sequence[RewardFunction], weights: Sequence[float] | N
 # ---------------------------------------------------------------------------------------------
 
 
+@attrs.define
+class RewardLogs:
+    """What reward functions log while one batch is scored, through the keyword callables TRL 1.16
+    hands them: ``log_extra(column, values)`` adds a column of the completions table (one value per
+    completion) and ``log_metric(name, value)`` one scalar for the logs (averaged over a logging
+    window, as TRL does)."""
+
+    extra: dict[str, list] = attrs.Factory(dict)
+    metrics: dict[str, list[float]] = attrs.Factory(dict)
+
+    def log_extra(self, column: str, values: Sequence[Any]) -> None:
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise PlaitError(f"log_extra({column!r}, {values!r:.40}): give a list with one value per completion")
+        self.extra.setdefault(column, []).extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        if torch.is_tensor(value) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise PlaitError(f"log_metric({name!r}, {value!r:.40}): the value must be one number")
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def callables(self) -> dict[str, Callable]:
+        return {"log_extra": self.log_extra, "log_metric": self.log_metric}
+
+    def add(self, other: "RewardLogs") -> None:
+        for column, values in other.extra.items():
+            self.extra.setdefault(column, []).extend(values)
+        for name, values in other.metrics.items():
+            self.metrics.setdefault(name, []).extend(values)
+
+    @classmethod
+    def of_examples(cls, logs: Sequence["RewardLogs"]) -> "RewardLogs":
+        """The logs of one reward called one example at a time: each column gets None where an
+        example's call logged nothing to it (it failed, say)."""
+        merged = cls()
+        columns = dict.fromkeys(column for log in logs for column in log.extra)
+        for column in columns:
+            merged.extra[column] = [value for log in logs for value in log.extra.get(column, [None])]
+        for log in logs:
+            merged.add(cls(metrics=log.metrics))
+        return merged
+
+    def check(self, n: int) -> None:
+        for column, values in self.extra.items():
+            if len(values) != n:
+                raise PlaitError(f"log_extra({column!r}) got {len(values)} values for {n} completions; log each column "
+                                 "once per batch, with one value per completion")
+
+
 class _LoopThread:
     """One event loop in a daemon thread, kept for the process: async rewards that hold clients
     (HTTP sessions, sandboxes) bound to a loop keep working from one step to the next."""
@@ -385,14 +436,20 @@ def _after_timeout(func: RewardFunction, n: int, error: RewardTimeout, on_error:
 
 
 def _after_failure(func: RewardFunction, kwargs: dict, n: int, error: Exception, on_error: str,
-                   timeout: float | None = None) -> list[Any]:
+                   timeout: float | None = None, logs: RewardLogs | None = None) -> list[Any]:
     """Re-run a failed reward one example at a time: name the example that fails, and under
-    ``on_error='none'`` score it None while the others keep their scores."""
+    ``on_error='none'`` score it None while the others keep their scores. What the calls log
+    goes to ``logs``."""
     if isinstance(error, PlaitError):  # a configuration problem (a missing column, say), not an example
         raise error
     if isinstance(error, RewardTimeout):  # n more calls would each wait for the deadline too
         return _after_timeout(func, n, error, on_error)
-    results = _invoke([(func.fn, _one_example(kwargs, i, n)) for i in range(n)], timeout)
+    per_example = [RewardLogs() for _ in range(n)]
+    results = _invoke([(func.fn, {**_one_example(kwargs, i, n), **per_example[i].callables()}) for i in range(n)],
+                      timeout)
+    if logs is not None:
+        logs.add(RewardLogs.of_examples(
+            [RewardLogs() if isinstance(r, Exception) else log for r, log in zip(results, per_example)]))
     failed = [(i, r) for i, r in enumerate(results) if isinstance(r, Exception)]
     for _, err in failed:
         if isinstance(err, PlaitError):
@@ -428,13 +485,16 @@ def compute_rewards(
     trainer_state: Any = None,
     on_error: str = "fail",
     timeout: float | None = None,
+    logs: RewardLogs | None = None,
 ) -> Tensor:
     """Score N completions with K reward functions: a float32 ``[N, K]`` tensor, NaN for None.
 
     Each function is called once with keyword arguments ``prompts``, ``completions``,
-    ``completion_ids`` (unpadded token ids), ``trainer_state`` and every entry of ``columns``
-    (the extra dataset columns, e.g. ``solution``; one value per completion). Sync functions run
-    first, in order, in this thread; async ones then run concurrently in one event loop.
+    ``completion_ids`` (unpadded token ids), ``trainer_state``, every entry of ``columns``
+    (the extra dataset columns, e.g. ``solution``; one value per completion), and TRL 1.16's
+    ``log_extra`` and ``log_metric``, whose entries go to ``logs`` (see :class:`RewardLogs`;
+    dropped when ``logs`` is None). Sync functions run first, in order, in this thread; async
+    ones then run concurrently in one event loop.
 
     ``on_error``: ``"fail"`` raises a :class:`PlaitError` naming the reward and the example
     (the original exception chained); ``"none"`` scores the failing examples as None and logs a
@@ -460,11 +520,20 @@ def compute_rewards(
             raise PlaitError(f"{name} has {len(values)} values for {n} completions; give one per completion")
     kwargs = {"prompts": list(prompts), "completions": list(completions), "completion_ids": list(completion_ids),
               "trainer_state": trainer_state, **{k: list(v) for k, v in columns.items()}}
-    results = _invoke([(func.fn, dict(kwargs)) for func in funcs], timeout)
+    logged = [RewardLogs() for _ in funcs]  # one per call: a call that fails keeps its entries out
+    results = _invoke([(func.fn, {**kwargs, **log.callables()}) for func, log in zip(funcs, logged)], timeout)
     scores = torch.full((n, len(funcs)), math.nan, dtype=torch.float32)
+    batch_logs = RewardLogs()
     for k, (func, result) in enumerate(zip(funcs, results)):
-        values = _after_failure(func, kwargs, n, result, on_error, timeout) if isinstance(result, Exception) else result
+        if isinstance(result, Exception):
+            values = _after_failure(func, kwargs, n, result, on_error, timeout, batch_logs)
+        else:
+            values = result
+            batch_logs.add(logged[k])
         scores[:, k] = torch.tensor(_column(func, values, n), dtype=torch.float32)
+    batch_logs.check(n)
+    if logs is not None:
+        logs.add(batch_logs)
     return scores
 
 

@@ -30,8 +30,9 @@ from .config import config_fields
 from .errors import PlaitError
 from .logprobs import token_logprobs
 from .manager import Plugins, default_plugins
-from .models import (Reference, agree_on_tokens, disable_dropout, load_model, load_tokenizer, remote_code,
-                     wrap_peft)
+from .model_card import CardDetails, write_model_card
+from .models import (Reference, agree_on_tokens, disable_dropout, load_model, load_tokenizer,
+                     refuse_adapters_on_adapters, remote_code, wrap_peft)
 from .objective import Objective
 
 logger = logging.getLogger("plait")
@@ -50,6 +51,10 @@ class PlaitTrainer(Trainer):
     method: ClassVar[str]
     config_class: ClassVar[type]
     auto_model_class: ClassVar[type] = AutoModelForCausalLM  # what a model path is loaded as
+    # Does evaluation have logits and labels to hand compute_metrics (eval_predictions)? Not where rows are prompts.
+    gives_eval_predictions: ClassVar[bool] = True
+    # Does compute_loss call compute_loss_func(outputs, labels, num_items_in_batch) instead of the composed losses?
+    takes_compute_loss_func: ClassVar[bool] = False
     # the non-finite guard's state: did a micro-batch of this optimizer step give a NaN/inf loss
     # (a device tensor, so no sync per micro-batch; None before the step's first), steps skipped
     _nonfinite_loss: torch.Tensor | None = None
@@ -58,6 +63,8 @@ class PlaitTrainer(Trainer):
     _router_aux_loss_coef: float = 0.0
     _router_aux_losses: list[torch.Tensor] | None = None  # collected while a loss with gradient is computed
     _offload_activations: bool = False
+    card_details: CardDetails = CardDetails()  # what create_model_card/push_to_hub were told, for every later card
+    card_datasets: tuple[str, ...] = ()  # the datasets the card names when the user named none (the CLI's recipe)
 
     def __init__(
         self,
@@ -71,6 +78,11 @@ class PlaitTrainer(Trainer):
         callbacks=None,
         optimizers=(None, None),
         plugins: Plugins | None = None,
+        compute_metrics=None,
+        preprocess_logits_for_metrics=None,
+        compute_loss_func=None,
+        optimizer_cls_and_kwargs=None,
+        quantization_config=None,
         **kwargs,
     ):
         self.plugins = plugins or default_plugins()
@@ -79,6 +91,11 @@ class PlaitTrainer(Trainer):
             args = self.config_class(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-{self.method}")
         elif not isinstance(args, self.config_class):
             raise PlaitError(f"args is a {type(args).__name__}; {type(self).__name__} needs a {self.config_class.__name__}")
+        self._refuse_unused_arguments(compute_metrics=compute_metrics,
+                                      preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+                                      compute_loss_func=compute_loss_func)
+        self.compute_loss_func = compute_loss_func  # validate() may read it; Trainer.__init__ sets it again
+        init_kwargs = with_quantization(model, getattr(args, "model_init_kwargs", None), quantization_config)
         # trust_remote_code holds for every from_pretrained below and for reward models validate() resolves
         with remote_code(args.trust_remote_code):
             self.validate(args)  # everything the config can check, before any model loads
@@ -88,11 +105,12 @@ class PlaitTrainer(Trainer):
                                               eos_token=args.eos_token, pad_token=args.pad_token)
             with torch.random.fork_rng(devices=[]):  # weights the folder lacks (a new score head) come from args.seed
                 torch.manual_seed(args.seed)
-                model = load_model(model, getattr(args, "model_init_kwargs", None), auto_class=self.auto_model_class)
+                model = load_model(model, init_kwargs, auto_class=self.auto_model_class)
             if args.eos_token is not None or args.pad_token is not None:
                 agree_on_tokens(processing_class, model, eos=args.eos_token is not None, pad=args.pad_token is not None)
             self._router_aux_loss_coef = router_aux_loss_coefficient(model, args.router_aux_loss_coef)
             self.peft_config = peft_config
+            refuse_adapters_on_adapters(model, peft_config)
             model = self.before_peft(model, args, **kwargs)
             model = wrap_peft(model, peft_config, args.gradient_checkpointing)
             if args.disable_dropout:
@@ -113,7 +131,9 @@ class PlaitTrainer(Trainer):
             super().__init__(
                 model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                 eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
-                optimizers=optimizers,
+                optimizers=optimizers, compute_metrics=compute_metrics,
+                preprocess_logits_for_metrics=preprocess_logits_for_metrics, compute_loss_func=compute_loss_func,
+                optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
             )
             for module in self.auxiliary_modules().values():
                 module.to(args.device)
@@ -124,6 +144,18 @@ class PlaitTrainer(Trainer):
                 self._add_router_aux_loss(self._policy)  # the outermost policy: PEFT passes the request on
             self._offload_activations = args.activation_offloading and offloading_applies(args.device)
             self.after_init()
+
+    def _refuse_unused_arguments(self, **given) -> None:
+        """transformers' Trainer arguments this method's loss or evaluation has no use for, refused by name."""
+        name = type(self).__name__
+        if given["compute_loss_func"] is not None and not self.takes_compute_loss_func:
+            raise PlaitError(f"{name} does not take compute_loss_func: its loss is the composed {self.method}.* losses "
+                             "over log-probs, not a function of the logits and labels; register a loss plugin and "
+                             "name it in the config's loss instead")
+        for field in ("compute_metrics", "preprocess_logits_for_metrics"):
+            if given[field] is not None and not self.gives_eval_predictions:
+                raise PlaitError(f"{name} does not take {field}: its evaluation rows are prompts it samples from, "
+                                 "with no logits and labels to compare; its evaluation logs its own metrics")
 
     # -- what a method fills in ---------------------------------------------------------------
     def validate(self, args) -> None:
@@ -256,7 +288,18 @@ class PlaitTrainer(Trainer):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs)
-        return loss.detach(), None, None
+            if prediction_loss_only:  # evaluate() without compute_metrics
+                return loss.detach(), None, None
+            logits, labels = self.eval_predictions(model, inputs)
+        return loss.detach(), logits, labels
+
+    def eval_predictions(self, model, inputs) -> tuple[torch.Tensor, Any]:
+        """What ``compute_metrics`` (after ``preprocess_logits_for_metrics``) receives for one
+        evaluation batch, as TRL 1.16 gives it: the model's logits over the batch's rows (one more
+        forward, only when asked for) and its ``labels``, else its ``input_ids``."""
+        model_inputs = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs}
+        logits = model(**model_inputs, use_cache=False).logits
+        return logits, inputs["labels"] if "labels" in inputs else inputs["input_ids"]
 
     # -- the non-finite guard: no NaN/inf update ever reaches the weights ----------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -370,6 +413,8 @@ class PlaitTrainer(Trainer):
         run_dir = self._get_output_dir(trial=trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         staging_root = os.path.join(run_dir, ".staging")
+        if self.args.should_save:  # as TRL: the run's folder has a card whenever it has a checkpoint (hub pushes)
+            write_model_card(self, run_dir)
         staged, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
         if self.args.should_save and os.path.exists(staged):
             shutil.rmtree(staged)  # leftover of an interrupted save
@@ -459,6 +504,32 @@ class PlaitTrainer(Trainer):
         if self.args.should_save and not _internal_call:
             with open(os.path.join(output_dir, METADATA_FILE), "w") as handle:
                 json.dump(self.run_metadata(), handle, indent=2)
+            write_model_card(self, output_dir)
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | list[str] | None = None,
+                          tags: str | list[str] | None = None, **kwargs) -> None:
+        """Write README.md into ``output_dir`` (:mod:`plait.model_card`). Takes TRL's arguments and
+        transformers' (``language``, ``license``, ``finetuned_from``, ... as ``push_to_hub(**kwargs)``
+        passes them on); what is given is kept for the cards of later saves."""
+        self.card_details = self.card_details.updated(model_name=model_name, dataset_name=dataset_name, tags=tags,
+                                                      **kwargs)
+        if self.args.should_save:
+            write_model_card(self, self.args.output_dir)
+
+
+def with_quantization(model: str | PreTrainedModel, init_kwargs: dict | None, quantization_config) -> dict | None:
+    """``model_init_kwargs`` with the trainer's ``quantization_config`` (e.g. a BitsAndBytesConfig,
+    QLoRA's 4-bit base) added, as TRL 1.16 passes it to ``from_pretrained``; it applies only to a
+    model loaded here, so a loaded model or a second setting in model_init_kwargs is refused."""
+    if quantization_config is None:
+        return init_kwargs
+    if not isinstance(model, str):
+        raise PlaitError(f"quantization_config applies when model is a path or hub id, but model is a loaded "
+                         f"{type(model).__name__}; pass its path, or load it with quantization_config yourself")
+    if "quantization_config" in (init_kwargs or {}):
+        raise PlaitError("quantization_config is given both as a trainer argument and in model_init_kwargs; "
+                         "give it once")
+    return {**(init_kwargs or {}), "quantization_config": quantization_config}
 
 
 def router_aux_loss_coefficient(model: PreTrainedModel, coef: float | None) -> float:

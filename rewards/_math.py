@@ -72,7 +72,9 @@ def judge(solution: Any, text: str, reward: str, latex_only: bool = False) -> tu
 def column_of(kwargs: dict, column: str, reward: str) -> list:
     """The dataset column a reward reads (``solution``), or a one-line error naming it."""
     if column not in kwargs:
-        extra = sorted(k for k in kwargs if k not in ("prompts", "completions", "completion_ids", "trainer_state"))
+        from plait.scoring import RESERVED  # the arguments every reward receives, which are not columns
+
+        extra = sorted(k for k in kwargs if k not in RESERVED)
         raise PlaitError(
             f"reward {reward!r} needs a dataset column {column!r} with the gold answers (columns given: "
             f"{extra}); add it, or name the column with {{name: {reward}, column: ...}}"

@@ -313,7 +313,7 @@ def test_async_detection_sees_through_partials_and_callable_objects():
 def test_reward_functions_receive_every_argument_and_column(plugins):
     seen = {}
 
-    def spy(prompts, completions, completion_ids, trainer_state, solution, **rest):
+    def spy(prompts, completions, completion_ids, trainer_state, solution, log_extra, log_metric, **rest):
         seen.update(prompts=prompts, completions=completions, ids=completion_ids, state=trainer_state,
                     solution=solution, rest=rest)
         return [None, 1]

@@ -100,6 +100,17 @@ def test_command_line_overrides_the_recipe(recipe, data_file, tmp_path, monkeypa
     assert config.eval_dataset.split == "train[:2]"
 
 
+def test_a_loss_flag_replaces_the_recipes_other_spelling_of_the_loss(tmp_path, data_file):
+    sectioned = tmp_path / "sectioned.yaml"
+    sectioned.write_text(f"method: dpo\nmodel: m\ndataset: {data_file}\nloss: [{{name: dpo.ipo, weight: 1.0}}]\n")
+    config = load_recipe(sectioned, {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}, method="dpo")
+    assert config.loss is None and check_recipe(config).loss_type == ["sigmoid", "sft"]
+    flat = tmp_path / "flat.yaml"
+    flat.write_text(f"method: dpo\nmodel: m\ndataset: {data_file}\ntraining: {{loss_type: ipo, beta: 0.2}}\n")
+    config = load_recipe(flat, {"loss": [{"name": "dpo.hinge", "weight": 1.0}]}, method="dpo")
+    assert config.training == {"beta": 0.2} and [entry["name"] for entry in config.loss] == ["dpo.hinge"]
+
+
 def test_no_recipe_needed_when_model_and_dataset_are_flags(data_file):
     config = load_recipe(None, {"model": "m", "dataset": str(data_file), "beta": 0.3}, method="dpo")
     assert (config.method, config.model, config.dataset.path, config.training) == ("dpo", "m", "json", {"beta": 0.3})

@@ -52,8 +52,8 @@ class GRPOParams(OnlineParams):
     gives plait's list of ``{name, weight, **params}``. ``scale_rewards`` picks the advantage
     estimator (group / batch / none), ``multi_objective_aggregation="normalize_then_sum"`` is
     GDPO, and ``advantage_estimator`` names any registered one (``{name, **params}`` too).
-    ``importance_sampling_level`` None lets each loss type use its own (token for every built-in one, as
-    in TRL 1.16). ``use_bias_correction_kl`` weights the β·KL term by the importance ratio (TRL 1.16's default).
+    ``importance_sampling_level`` is token by default for every loss type, luspo too, as in TRL 1.16
+    (None lets each loss type use its own). ``use_bias_correction_kl`` weights the β·KL term by the importance ratio (TRL 1.16's default).
 
     ``entropy_coef`` c ≠ 0 adds the entropy bonus −c·H̄ (``grpo.entropy_bonus``); with
     ``use_adaptive_entropy`` c is the starting coefficient of ``grpo.adaptive_entropy_bonus``, moved
@@ -69,7 +69,7 @@ class GRPOParams(OnlineParams):
     scale_rewards: str | bool = "group"
     multi_objective_aggregation: str = "sum_then_normalize"
     advantage_estimator: str | dict | None = None
-    importance_sampling_level: str | None = attrs.field(default=None, validator=_optional_level)
+    importance_sampling_level: str | None = attrs.field(default="token", validator=_optional_level)
     use_bias_correction_kl: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     sapo_temperature_pos: float = attrs.field(default=1.0, validator=positive)
     sapo_temperature_neg: float = attrs.field(default=1.05, validator=positive)

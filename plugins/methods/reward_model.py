@@ -144,6 +144,11 @@ class RewardTrainer(PlaitTrainer):
         if config.pad_token_id != pad_id:
             config.pad_token_id = pad_id
 
+    def eval_predictions(self, model, inputs):
+        """As TRL 1.16 hands them to ``compute_metrics``: the scores ``[2B, 1]`` of the batch's rows
+        (its chosen completions, then its rejected ones) and no labels."""
+        return model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False).logits, ()
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         rewards = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False)
         chosen, rejected = rewards.logits[:, 0].float().chunk(2)

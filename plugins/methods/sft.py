@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import logging
 
+from typing import Callable
+
 import attrs
 import torch
+import torch.nn.functional as F
+from datasets import Dataset
 
 from plait import Method, PlaitError, hookimpl
 from plait.batches import TokenLogps
@@ -81,14 +85,29 @@ SFTConfig = method_config(
 
 
 class SFTTrainer(PlaitTrainer):
-    """Supervised fine-tuning with composable ``sft.*`` token losses."""
+    """Supervised fine-tuning with composable ``sft.*`` token losses.
+
+    TRL 1.16's ``formatting_func`` (row -> text) makes each row the text it returns before
+    tokenising, and ``compute_loss_func(outputs, labels, num_items_in_batch=)`` replaces the
+    composed losses with the user's function of the model's full outputs."""
 
     method = "sft"
     config_class = SFTConfig
+    takes_compute_loss_func = True
+    formatting_func: Callable[[dict], str] | None = None
+
+    def __init__(self, *args, formatting_func: Callable[[dict], str] | None = None, **kwargs):
+        self.formatting_func = formatting_func
+        super().__init__(*args, **kwargs)
 
     def validate(self, args) -> None:
         p = args.params
         self.objective = Objective.build(p.loss_specs(), self.plugins.losses, family="sft", consumes=TokenLogps)
+        if getattr(self, "compute_loss_func", None) is not None and p.loss_specs() != [{"name": "nll"}]:
+            raise PlaitError(f"compute_loss_func replaces the loss, so {p.loss_field}={getattr(p, p.loss_field)!r} "
+                             f"would not be used (TRL refuses it with loss_type='dft' too); drop one of them")
+        if self.formatting_func is not None:
+            _check_formatting(p)
         for given in {spec["name"] for spec in LossChoice.loss_specs(p)} & set(LOSS_ALIASES):
             logger.warning("SFT: loss %r is TRL's deprecated name of %r, the same loss; using sft.%s",
                            given, LOSS_ALIASES[given], LOSS_ALIASES[given])
@@ -102,11 +121,16 @@ class SFTTrainer(PlaitTrainer):
         p = args.params
         if p.skip_prepare_dataset:
             return _tokenised(dataset, split)
+        prompts = None
+        if self.formatting_func is not None:
+            dataset, prompts = formatted(dataset, self.formatting_func, p.dataset_text_field, split)
         dataset = prepare_dataset(
             dataset, processing_class, "language_modeling", plugins=self.plugins, max_length=p.max_length,
             truncation_mode=p.truncation_mode, completion_only_loss=p.completion_only_loss,
             assistant_only_loss=p.assistant_only_loss, num_proc=p.dataset_num_proc, text_field=p.dataset_text_field,
         )
+        if prompts is not None and not p.packs(split):  # LogCompletionsCallback reads them, as from TRL's datasets
+            dataset = dataset.add_column("prompt", prompts)
         if p.shuffle_dataset:
             dataset = dataset.shuffle(seed=args.seed)
         if p.packs(split):
@@ -135,14 +159,20 @@ class SFTTrainer(PlaitTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs["labels"]
         model_inputs = {k: inputs[k] for k in ("attention_mask", "position_ids") if k in inputs}
-        out = self.token_logprobs(model, inputs["input_ids"], with_argmax=True, **model_inputs)
         mask = labels != -100
         mask[:, 0] = False  # nothing predicts a row's first token
-        loss, parts = self.objective(TokenLogps(out.logps, mask), mask=mask, num_tokens=num_items_in_batch)
+        if self.compute_loss_func is None:
+            out = self.token_logprobs(model, inputs["input_ids"], with_argmax=True, **model_inputs)
+            loss, parts = self.objective(TokenLogps(out.logps, mask), mask=mask, num_tokens=num_items_in_batch)
+            predicted = out.argmax
+        else:  # the user's loss of the full outputs and the (unshifted) labels, as Trainer and TRL call it
+            outputs = model(input_ids=inputs["input_ids"], use_cache=False, **model_inputs)
+            loss, parts = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch), {}
+            predicted = F.pad(outputs.logits[:, :-1].detach().argmax(-1), (1, 0))  # aligned with the tokens predicted
         if num_items_in_batch is not None and self.args.average_tokens_across_devices:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients; the count was global
 
-        correct = (out.argmax == inputs["input_ids"]) & mask
+        correct = (predicted == inputs["input_ids"]) & mask
         tokens = mask.sum()
         if self.model.training:
             self.tokens_seen += int(self.accelerator.gather_for_metrics(tokens.reshape(1)).sum())
@@ -151,6 +181,38 @@ class SFTTrainer(PlaitTrainer):
             metrics.update({f"loss/{name}": value.detach() for name, value in parts.items()})
         self.record(metrics)
         return (loss, None) if return_outputs else loss
+
+
+def _check_formatting(p: SFTParams) -> None:
+    """formatting_func makes each row plain text: settings that need more than text are refused."""
+    if p.skip_prepare_dataset:
+        raise PlaitError(f"formatting_func is given but dataset_kwargs={{'{SKIP_PREPARE}': True}} uses the dataset as "
+                         "already tokenised, so it would never run; drop one of them")
+    if p.completion_only_loss:  # as TRL 1.16
+        raise PlaitError("formatting_func makes each row plain text, so completion_only_loss=True has no completion to "
+                         "train on; format the rows into prompt/completion columns yourself, or drop completion_only_loss")
+    if p.assistant_only_loss:
+        raise PlaitError("formatting_func makes each row plain text, so assistant_only_loss=True has no assistant turns "
+                         "to train on; drop one of them")
+
+
+def formatted(dataset, formatting_func: Callable[[dict], str], text_field: str, split: str):
+    """``dataset`` as TRL 1.16's ``formatting_func`` makes it: each row replaced by the text the
+    function returns for it (in ``text_field``, the column tokenised), so no other column of the
+    row can be read instead. Also the rows' ``prompt`` column, if they have one (None otherwise)."""
+    def to_text(row: dict) -> dict:
+        text = formatting_func(row)
+        if not isinstance(text, str):
+            raise PlaitError(f"formatting_func returned a {type(text).__name__} for a {split} row; it is called on one "
+                             "row at a time (as in TRL 1.16) and must return that row's text")
+        return {text_field: text}
+
+    if isinstance(dataset, list):
+        return [to_text(row) for row in dataset], [row["prompt"] for row in dataset] if "prompt" in dataset[0] else None
+    columns = list(dataset.column_names or [])
+    prompts = list(dataset["prompt"]) if "prompt" in columns and isinstance(dataset, Dataset) else None
+    described = {"desc": f"plait: formatting_func on the {split} rows"} if isinstance(dataset, Dataset) else {}
+    return dataset.map(to_text, remove_columns=columns, **described), prompts
 
 
 def _tokenised(dataset, split: str):
