@@ -1,0 +1,64 @@
+"""Gradient checkpointing combines with the chunked log-prob path: the same losses and updates as
+without it, and the output layer is not run more often (the decoder layers are recomputed in
+backward; the head, applied chunk by chunk after the model's forward, is recomputed once per chunk
+either way). Default off on every method, unlike TRL: docs/trl-differences.md gives the measurement."""
+
+import pytest
+import torch
+from datasets import Dataset
+
+from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
+from plait.plugins.methods.sft import SFTConfig, SFTTrainer
+from plait.testing.tiny_model import tiny_model_path
+
+COMMON = dict(save_strategy="no", report_to="none", seed=0, max_length=64, logging_steps=1, max_steps=2,
+              bf16=False, learning_rate=1e-3)
+WORDS = ["apple", "river", "stone", "cloud"]
+
+
+def sft(tmp_path, checkpointing: bool) -> SFTTrainer:
+    rows = [{"prompt": f"The {w} is", "completion": f" a {w} of seven blue horses."} for w in WORDS]
+    return SFTTrainer(str(tiny_model_path()), train_dataset=Dataset.from_list(rows),
+                      args=SFTConfig(output_dir=str(tmp_path / f"sft{checkpointing}"), per_device_train_batch_size=4,
+                                     gradient_checkpointing=checkpointing, **COMMON))
+
+
+def dpo(tmp_path, checkpointing: bool) -> DPOTrainer:
+    rows = [{"prompt": f"Tell me about the {w}.", "chosen": f" The {w} is good.", "rejected": f" The {w} is bad."}
+            for w in WORDS]
+    return DPOTrainer(str(tiny_model_path()), train_dataset=Dataset.from_list(rows),
+                      args=DPOConfig(output_dir=str(tmp_path / f"dpo{checkpointing}"), per_device_train_batch_size=4,
+                                     gradient_checkpointing=checkpointing, **COMMON))
+
+
+def train_counting_head_calls(trainer) -> tuple[list[float], dict[str, torch.Tensor], int]:
+    calls = []
+    head = trainer.model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda module, args, output: calls.append(1))
+    try:
+        trainer.train()
+    finally:
+        handle.remove()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, len(calls)
+
+
+@pytest.mark.parametrize("build", [sft, dpo], ids=["sft", "dpo"])
+def test_checkpointing_changes_neither_losses_updates_nor_head_calls(tmp_path, build):
+    off, on = build(tmp_path, False), build(tmp_path, True)
+    assert not off.args.gradient_checkpointing and on.args.gradient_checkpointing
+    losses_off, weights_off, head_off = train_counting_head_calls(off)
+    losses_on, weights_on, head_on = train_counting_head_calls(on)
+    assert on.model.is_gradient_checkpointing and not off.model.is_gradient_checkpointing
+    assert losses_on == pytest.approx(losses_off, abs=1e-6)
+    assert max((weights_on[k] - weights_off[k]).abs().max().item() for k in weights_off) < 1e-6
+    assert head_on == head_off > 0  # checkpointing recomputes layers, not the chunked head
+
+
+def test_default_is_off_for_every_method(tmp_path):
+    from plait.manager import default_plugins
+
+    methods = default_plugins().methods
+    for name in methods.names():
+        args = methods.get(name).obj.config(output_dir=str(tmp_path), report_to="none")
+        assert args.gradient_checkpointing is False, name
