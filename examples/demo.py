@@ -12,20 +12,20 @@
 4. Print the comparison and write ``training_curves.png`` (loss, reward margin, accuracy over
    steps), ``log_history.json`` and ``summary.json`` beside the trained adapter in ``--output``.
 
-    python examples/demo.py [--output runs/demo] [--max_steps N] [--minutes 5] [--tiny]
+    python examples/demo.py [--output runs/demo] [--max_steps N] [--tiny]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import TrainerCallback
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the helpers beside this file: smollm2.py
@@ -135,26 +135,10 @@ def plot(history: list[dict], path: Path, before: dict, after: dict, title: str)
     return series
 
 
-class TimeBudget(TrainerCallback):
-    """Stop training after ``seconds`` of wall time (at a step boundary), so the demo stays a
-    few minutes long on a slow or busy machine; the recipe's max_steps caps it on a fast one."""
-
-    def __init__(self, seconds: float):
-        self.seconds, self.start = seconds, None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.time()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if time.time() - self.start > self.seconds:
-            control.should_training_stop = True
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", default="runs/demo", help="folder for the adapter, the plot and the numbers")
     parser.add_argument("--max_steps", type=int, help="training steps (default: the recipe's)")
-    parser.add_argument("--minutes", type=float, default=5.0, help="stop training after this long (default 5)")
     parser.add_argument("--tiny", action="store_true", help="use the tiny offline test model (seconds)")
     args = parser.parse_args(argv)
     start = time.time()
@@ -167,7 +151,6 @@ def main(argv: list[str] | None = None) -> dict:
     config = load_recipe(recipe, overrides, method="dpo")
     print(f"demo: DPO + LoRA on {name} ({model_dir}), recipe {recipe.relative_to(HERE.parent)}")
     trainer = build_trainer(config)
-    trainer.add_callback(TimeBudget(60 * args.minutes))
     rows = [json.loads(line) for line in DATA.read_text().splitlines()[-HELD_OUT:]]
     questions = [row["prompt"][0]["content"] for row in rows[:ASKED]] + SAMPLE_QUESTIONS
 
@@ -188,13 +171,16 @@ def main(argv: list[str] | None = None) -> dict:
     series = plot(trainer.state.log_history, out / "training_curves.png", before, after, f"DPO + LoRA on {name}")
     (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
     before, after = ({k: round(v, 4) for k, v in d.items()} for d in (before, after))
-    summary = {"model": name, "steps": trainer.state.global_step, "train_seconds": round(train_seconds, 1),
+    steps = trainer.state.global_step
+    summary = {"model": name, "steps": steps, "train_seconds": round(train_seconds, 1),
+               "seconds_per_step": round(train_seconds / max(steps, 1), 2), "load_1min": round(os.getloadavg()[0], 2),
                "wall_seconds": round(time.time() - start, 1), "before": before, "after": after,
                "answers": [{"question": q, "before": b, "after": a}
                            for q, b, a in zip(questions, replies_before, replies_after)]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False))
 
-    print(f"\n{name}, {trainer.state.global_step} DPO steps in {train_seconds:.0f} s; "
+    print(f"\n{name}, {steps} DPO steps in {train_seconds:.0f} s ({summary['seconds_per_step']:.1f} s/step, "
+          f"load {summary['load_1min']:.1f} on {os.cpu_count()} cores); "
           f"{before['pairs']} held-out pairs never trained on:")
     print(f"  {'':44}{'before':>8}{'after':>8}")
     for key, label in [("preference_accuracy", "model prefers the polite, short answer"),
