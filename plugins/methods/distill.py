@@ -40,14 +40,14 @@ def _positive_int(instance, attribute, value) -> None:
 
 
 @attrs.define
-class DistillParams(OnPolicyParams):
-    """On-policy distillation's knobs; names follow TRL's GKD/distillation configs.
+class TeacherParams(OnPolicyParams):
+    """What every student/teacher method shares (distill, GKD); names follow TRL's configs.
 
     ``beta`` interpolates the divergence (0 forward KL, 1 reverse KL, between the generalised
-    JSD); ``temperature`` applies to sampling and to both models' distributions in the loss.
-    ``loss`` composes ``distill.*`` losses as ``[{name, weight, **params}]`` (``beta`` is shared
-    into every loss that takes it). ``teacher_model_revision`` is the hub revision (branch, tag or
-    commit) the teacher and its tokenizer are loaded at.
+    JSD); ``temperature`` is the sampling temperature. ``loss`` composes ``distill.*`` losses as
+    ``[{name, weight, **params}]`` (``beta`` is shared into every loss that takes it).
+    ``teacher_model_revision`` is the hub revision (branch, tag or commit) the teacher and its
+    tokenizer are loaded at.
     """
 
     default_loss = "jsd"
@@ -56,6 +56,13 @@ class DistillParams(OnPolicyParams):
     teacher_model_revision: str | None = None
     beta: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0))
     temperature: float = attrs.field(default=1.0, validator=positive)
+
+
+@attrs.define
+class DistillParams(TeacherParams):
+    """On-policy distillation's knobs (TRL's DistillationConfig): ``temperature`` applies to
+    sampling and to both models' distributions in the loss."""
+
     max_completion_length: int = attrs.field(default=512, validator=_positive_int)
 
 
@@ -146,17 +153,26 @@ class DistillTrainer(OnPolicyTrainer):
     @torch.no_grad()
     def rollout(self, inputs: dict) -> dict:
         prompt_ids, generations = self.sample(inputs)
-        batch = self.pack_rollout(prompt_ids, generations.completion_ids)
+        return self.distillation_batch(inputs, prompt_ids, generations.completion_ids, generations.finished,
+                                       generations.texts)
+
+    def distillation_batch(self, inputs: dict, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                           finished: list[bool], texts: list[str]) -> dict:
+        """Prompts and completions (from whichever source) packed for the loss, with its normaliser."""
+        batch = self.pack_rollout(prompt_ids, completion_ids)
         tokens = batch["completion_mask"].sum()
         if self.model.training:  # normalise by the tokens of the whole optimizer step, over every process
             tokens = self.accelerator.gather(tokens.reshape(1)).sum().float() / self.accelerator.num_processes
         batch["num_items"] = tokens.float().clamp(min=1.0)
-        self.record_lengths(batch["completion_mask"], torch.tensor(generations.finished, device=tokens.device))
-        prompts, _ = self.completion_texts(inputs, generations)
-        self.keep_completions(prompts, generations.texts)
+        self.record_lengths(batch["completion_mask"], torch.tensor(finished, device=tokens.device))
+        self.keep_completions(inputs["prompt"], texts)
         return batch
 
     # -- the loss -------------------------------------------------------------------------------
+    def loss_temperature(self) -> float:
+        """The temperature both models' distributions are compared at (distill: the sampling one)."""
+        return self.args.params.temperature
+
     def per_position(self, logps: torch.Tensor, teacher_logps: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Weighted sum of the composed losses at each position, each part, and the student's entropy."""
         batch = TokenDistributions(logps, teacher_logps)
@@ -171,7 +187,7 @@ class DistillTrainer(OnPolicyTrainer):
         select[:, width:] = completion_mask.bool()
         total, *parts, entropy = compare_distributions(
             model, self.teacher, inputs["input_ids"], inputs["attention_mask"], fn=self.per_position, select=select,
-            temperature=self.args.params.temperature, chunked=self.args.chunked_logprobs,
+            temperature=self.loss_temperature(), chunked=self.args.chunked_logprobs,
         )
         loss = total.sum() / inputs["num_items"]
         metrics = {"entropy": masked_mean(entropy, select), "divergence": masked_mean(total.detach(), select)}
