@@ -122,7 +122,10 @@ def register_judges(register: Register) -> None:
     """Register judges for online preference methods (``judge.reward_model``, ``judge.pairwise``).
 
     ``obj(prompts, completion_pairs) -> list[int]``: the index of the preferred completion of
-    each pair, or -1 for a tie.
+    each pair, or -1 for a tie. With ``params=``, ``obj`` is a factory ``obj(params, plugins)``
+    returning such a judge (it may load a model or resolve rewards by name through ``plugins``).
+    A judge that scores each completion alone may also offer ``scores(prompts, completions, **kw)
+    -> Tensor [N]``, so a method can shape the scores before comparing them.
     """
 
 

@@ -34,6 +34,7 @@ KIND_FOLDERS = {
     "plugins/generation": {"register_generation_backends", "register_commands"},  # backends, `plait vllm-serve`
     "plugins/reward_sources": {"resolve_reward"},
     "plugins/commands": {"register_commands"},  # subcommands of their own (`plait reward`, TRL's names)
+    "plugins/judges": {"register_judges"},  # online DPO's judges (reward_model, rules, pairwise)
     "losses": {"register_losses"},
     "rewards": {"register_rewards"},
 }
