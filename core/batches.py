@@ -30,6 +30,10 @@ class PreferenceLogps:
     log-ratio r = log π − log π_ref before losses form a margin (reverse KL: s = r).
     ``unweighted_chosen_logps`` is Σ_t log π(y_c,t) with every token counted once, given by a
     method that weights tokens in ``chosen_logps`` (LD-DPO); None when they are the same.
+    ``chosen_sequence_logps`` is Σ_t log π over every predicted token of the chosen row, prompt
+    included, and ``chosen_sequence_lengths`` their count, for a loss that trains on the whole
+    sequence (ORPO's NLL as its authors and TRL 1.16 compute it); None when the method gives none.
+    A reference-free method (ORPO, CPO) gives zeros as the reference log-probs.
     """
 
     chosen_logps: Tensor
@@ -40,6 +44,8 @@ class PreferenceLogps:
     rejected_lengths: Tensor
     divergence: Callable[[Tensor], Tensor] = _identity
     unweighted_chosen_logps: Tensor | None = None
+    chosen_sequence_logps: Tensor | None = None
+    chosen_sequence_lengths: Tensor | None = None
 
     @property
     def plain_chosen_logps(self) -> Tensor:

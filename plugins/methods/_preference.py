@@ -1,0 +1,133 @@
+"""The reference-free offline preference methods (ORPO, CPO), in one place.
+
+Their data is DPO's: preference rows prepared as ``plait dpo`` prepares them (prompt, chosen and
+rejected ids; ``keep_start`` truncation at ``max_length``, a pair whose prompt leaves no room
+dropped) and collated by ``collator.preference`` into 2B rows [chosen…; rejected…]. One forward
+gives the policy's summed completion log-probs; no reference model is loaded, so the
+:class:`plait.batches.PreferenceLogps` the losses get carries zeros as the reference's log-probs,
+and a ``dpo.*`` loss composed with them is its reference-free form. What TRL 1.16 logs comes from
+the first loss that registers ``metrics=`` (rewards/*, logps/*, ORPO's log-odds).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+import torch
+
+from plait import PlaitError
+from plait.batches import PreferenceLogps, masked_mean
+from plait.data import prepare_dataset
+from plait.objective import LossChoice, Objective
+from plait.params import positive
+from plait.plugins.data._collate import pad_multiple_field, row_token_logprobs
+from plait.trainer import PlaitTrainer
+
+
+# TrainingArguments defaults TRL 1.16's ORPOConfig and CPOConfig override
+CONFIG_DEFAULTS = {"learning_rate": 1e-6, "logging_steps": 10, "remove_unused_columns": False, "disable_dropout": True}
+
+
+@attrs.define
+class PreferenceParams(LossChoice):
+    """The fields ORPOConfig and CPOConfig share (TRL 1.16's names and defaults)."""
+
+    beta: float = attrs.field(default=0.1, validator=positive)
+    max_length: int | None = 1024
+    # TRL reads it for encoder-decoder models only; plait trains causal LMs, where TRL ignores it too
+    max_completion_length: int | None = None
+    truncation_mode: str = "keep_start"  # plait's, as DPOConfig's
+    pad_to_multiple_of: int | str | None = pad_multiple_field()
+    padding_value: int | None = None
+    generate_during_eval: bool = False
+    is_encoder_decoder: bool | None = None
+    model_init_kwargs: dict | None = None
+    dataset_num_proc: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.is_encoder_decoder:
+            raise PlaitError("is_encoder_decoder=True: plait trains causal language models; leave it None")
+        if self.padding_value is not None:
+            raise PlaitError(f"padding_value={self.padding_value!r}: plait pads with the tokenizer's pad token and "
+                             "padded positions never reach a loss; leave it None (pad_token sets the token)")
+        if self.generate_during_eval:
+            raise PlaitError("generate_during_eval=True is not supported; leave it False and add "
+                             "plait.LogCompletionsCallback to see completions during evaluation")
+
+
+class PreferenceTrainer(PlaitTrainer):
+    """Base of the reference-free preference methods; subclasses set ``nll_loss`` (the loss whose
+    value is logged as nll_loss), ``shared`` (the config fields that fill the losses' parameters
+    of the same name) and ``trains_on_prompt`` (whether batches carry the chosen rows'
+    whole-sequence log-probs), and may extend :meth:`loss_specs`."""
+
+    nll_loss: ClassVar[str]
+    shared: ClassVar[tuple[str, ...]] = ("beta",)
+    trains_on_prompt: ClassVar[bool] = False
+
+    def loss_specs(self, p) -> list[dict]:
+        return p.loss_specs()
+
+    def validate(self, args) -> None:
+        p = args.params
+        self.objective = Objective.build(self.loss_specs(p), self.plugins.losses, family=self.method,
+                                         consumes=PreferenceLogps, shared={k: getattr(p, k) for k in self.shared})
+
+    def prepare(self, dataset, processing_class, args, split):
+        if dataset is None:
+            return None
+        p = args.params
+        return prepare_dataset(dataset, processing_class, "preference", plugins=self.plugins, max_length=p.max_length,
+                               truncation_mode=p.truncation_mode, num_proc=p.dataset_num_proc)
+
+    def make_collator(self, processing_class, args):
+        return self.plugins.collators.get("collator.preference").obj(
+            processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
+
+    def preference_logps(self, model, inputs) -> tuple[PreferenceLogps, torch.Tensor]:
+        """The policy's log-probs of the 2B rows as a reference-free batch, and each row's mean logit."""
+        out = row_token_logprobs(self.token_logprobs, model, inputs, with_logit_mean=True)
+        mask = inputs["completion_mask"]
+        chosen, rejected = (out.logps * mask).sum(-1).chunk(2)
+        lengths_chosen, lengths_rejected = mask.sum(-1).to(chosen.dtype).chunk(2)
+        zeros = chosen.detach().new_zeros(chosen.shape)
+        whole = {}
+        if self.trains_on_prompt:  # every token with an attended predecessor, the prompt's included
+            attended = inputs["attention_mask"]
+            predicted = torch.cat([torch.zeros_like(attended[:, :1]), attended[:, 1:] * attended[:, :-1]], dim=1)
+            whole = {"chosen_sequence_logps": (out.logps * predicted).sum(-1).chunk(2)[0],
+                     "chosen_sequence_lengths": predicted.sum(-1).to(chosen.dtype).chunk(2)[0]}
+        batch = PreferenceLogps(chosen, rejected, zeros, zeros, lengths_chosen, lengths_rejected, **whole)
+        return batch, out.logit_mean.detach()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        batch, logit_mean = self.preference_logps(model, inputs)
+        loss, parts = self.objective(batch)
+        self.record(self.metrics(batch, parts, logit_mean, inputs["completion_mask"]))
+        return (loss, None) if return_outputs else loss
+
+    def metrics(self, batch: PreferenceLogps, parts: dict, logit_mean: torch.Tensor, mask: torch.Tensor) -> dict:
+        """TRL 1.16's names: the first loss that declares ``metrics=`` gives rewards/* and logps/*
+        (β·log π summed when none does); logits/* are mean logits over completion tokens."""
+        with torch.no_grad():
+            declared = next((t for t in self.objective.terms if "metrics" in t.component.options), None)
+            if declared is not None:
+                per_pair = declared.component.options["metrics"](batch, declared.params)
+            else:
+                beta, (chosen, rejected) = self.args.params.beta, (batch.chosen_logps.detach(), batch.rejected_logps.detach())
+                per_pair = {"rewards/chosen": beta * chosen, "rewards/rejected": beta * rejected,
+                            "logps/chosen": chosen, "logps/rejected": rejected}
+            chosen, rejected = per_pair["rewards/chosen"], per_pair["rewards/rejected"]
+            metrics = {name: value.mean() for name, value in per_pair.items()}
+            metrics["rewards/margins"] = (chosen - rejected).mean()
+            metrics["rewards/accuracies"] = (chosen > rejected).float().mean()
+            (logit_chosen, logit_rejected), (mask_chosen, mask_rejected) = logit_mean.chunk(2), mask.chunk(2)
+            metrics["logits/chosen"] = masked_mean(logit_chosen, mask_chosen)
+            metrics["logits/rejected"] = masked_mean(logit_rejected, mask_rejected)
+            nll = parts.get(self.nll_loss)
+            metrics["nll_loss"] = nll.detach() if nll is not None else \
+                self.plugins.losses.get(self.nll_loss).obj(batch, None).mean()
+            metrics.update({f"loss/{name}": value.detach() for name, value in parts.items()} if len(parts) > 1 else {})
+        return metrics
