@@ -34,6 +34,10 @@ CALLBACKS = ("LogCompletionsCallback", "SyncRefModelCallback", "RichProgressCall
 
 
 def __getattr__(name: str):
+    if name == "create_reference_model":
+        from .models import create_reference_model
+
+        return create_reference_model
     if name in SCRIPT_ARGS:  # TRL's script helpers; imported on first use (they import transformers)
         from . import script_args
 
@@ -48,4 +52,6 @@ def __getattr__(name: str):
             for cls in (component.obj.config, component.obj.trainer):
                 if cls.__name__ == name:
                     return cls
+            if name in component.obj.exports:
+                return component.obj.exports[name]
     raise AttributeError(f"module 'plait' has no attribute {name!r}")

@@ -12,10 +12,12 @@ class Method:
     ``config`` is made with :func:`plait.config.method_config` (TrainingArguments + the method's
     attrs parameters); ``trainer`` subclasses :class:`plait.trainer.PlaitTrainer`. The CLI
     subcommand ``plait <name>`` and the top-level names ``plait.<Config>``/``plait.<Trainer>``
-    are derived from this record, so third-party methods get them too.
+    are derived from this record, so third-party methods get them too. ``exports`` adds other
+    top-level names (``{"DistillationConfig": DistillConfig}``: TRL's names where they differ).
     """
 
     config: type
     trainer: type
     loss_family: str | None = None
     summary: str = ""
+    exports: dict[str, type] = attrs.field(factory=dict, eq=False)

@@ -141,6 +141,38 @@ def refuse_adapters_on_adapters(model, peft_config) -> None:
                          "adapter (merge_and_unload) and pass the base model with peft_config, or drop peft_config")
 
 
+# Where the decoder layers of common architectures live, for create_reference_model's num_shared_layers.
+LAYER_PATTERNS = ("model.layers.{layer}", "transformer.h.{layer}", "model.decoder.layers.{layer}", "gpt_neox.layers.{layer}")
+
+
+def create_reference_model(model: torch.nn.Module, num_shared_layers: int | None = None,
+                           pattern: str | None = None) -> torch.nn.Module:
+    """A frozen copy of ``model`` (eval mode, no gradients) to serve as a reference policy, as TRL's
+    helper of that name makes it. With ``num_shared_layers`` = n the reference copies nothing before
+    layer n (``pattern`` names layer paths, e.g. ``"model.layers.{layer}"``; common ones are tried
+    otherwise): it holds the policy's own parameters there, which are frozen in the policy too, so
+    the two models stay identical below layer n and that part is stored once."""
+    reference = copy.deepcopy(model)
+    if num_shared_layers is not None:
+        names = [name for name, _ in model.named_parameters()]
+        prefixes = [p.format(layer=num_shared_layers) + "." for p in ([pattern] if pattern else LAYER_PATTERNS)]
+        first = next((i for i, name in enumerate(names) if name.startswith(tuple(prefixes))), None)
+        if first is None:
+            raise PlaitError(f"create_reference_model: num_shared_layers={num_shared_layers} but no parameter of "
+                             f"{type(model).__name__} starts with {prefixes}; give pattern= with the layers' path, "
+                             "e.g. 'model.layers.{layer}'")
+        policy = dict(model.named_parameters())
+        copies = dict(reference.named_parameters())
+        shared = {id(copies[name]): policy[name] for name in names[:first]}
+        for name, param in list(reference.named_parameters(remove_duplicate=False)):  # tied weights too
+            if id(param) in shared:
+                module, _, attr = name.rpartition(".")
+                setattr(reference.get_submodule(module), attr, shared[id(param)])
+        for param in shared.values():
+            param.requires_grad_(False)
+    return reference.requires_grad_(False).eval()
+
+
 def check_same_vocabulary(model: PreTrainedModel, other: PreTrainedModel, field: str) -> None:
     """Log-probs of one tokenisation are only comparable under the same vocabulary."""
     mine, theirs = model.config.get_text_config().vocab_size, other.config.get_text_config().vocab_size

@@ -11,6 +11,7 @@ import inspect
 import math
 
 import pytest
+import torch
 
 from plait.scoring import compute_rewards, resolve_reward_funcs
 
@@ -513,3 +514,24 @@ def test_trl_accuracy_names_without_math_verify_fail_when_resolved(monkeypatch):
         with pytest.raises(PlaitError, match=rf"reward '{name}' needs math-verify.*pip install 'plait\[math\]'"):
             resolve_reward_funcs([name], fresh)
     assert resolve_reward_funcs(["think_format_reward"], fresh)[0].name == "think_format_reward"
+
+
+def test_trl_names_for_distillation_and_create_reference_model(tiny_model_path):
+    import plait
+    from transformers import AutoModelForCausalLM
+
+    assert plait.DistillationConfig is plait.DistillConfig and plait.DistillationTrainer is plait.DistillTrainer
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    frozen = plait.create_reference_model(policy)
+    assert not frozen.training and not any(p.requires_grad for p in frozen.parameters())
+    assert all(p.requires_grad for p in policy.parameters())
+    assert all(a is not b and torch.equal(a, b) for a, b in zip(policy.parameters(), frozen.parameters()))
+
+    shared = plait.create_reference_model(policy, num_shared_layers=1)
+    mine, theirs = dict(policy.named_parameters()), dict(shared.named_parameters())
+    below = [n for n in mine if not n.startswith(("model.layers.1.", "model.norm", "lm_head"))]
+    assert below and all(theirs[n] is mine[n] and not mine[n].requires_grad for n in below)  # held once, frozen
+    assert all(theirs[n] is not mine[n] and mine[n].requires_grad for n in mine if n.startswith("model.layers.1."))
+    assert shared.get_output_embeddings().weight is shared.get_input_embeddings().weight  # the tie survives
+    with pytest.raises(plait.PlaitError, match="num_shared_layers=7.*pattern="):
+        plait.create_reference_model(policy, num_shared_layers=7)

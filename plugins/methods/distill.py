@@ -201,4 +201,5 @@ class DistillTrainer(OnPolicyTrainer):
 @hookimpl
 def register_methods(register):
     register("method.distill", Method(config=DistillConfig, trainer=DistillTrainer, loss_family="distill",
-                                      summary="On-policy distillation from a teacher with distill.* divergences (GKD)"))
+                                      summary="On-policy distillation from a teacher with distill.* divergences (GKD)",
+                                      exports={"DistillationConfig": DistillConfig, "DistillationTrainer": DistillTrainer}))
