@@ -222,3 +222,16 @@ def test_the_margin_grows_on_the_tiny_model(tmp_path, trainer_class, config_clas
     assert after["eval_rewards/accuracies"] == 1.0
     if trainer_class is ORPOTrainer:
         assert after["eval_log_odds_chosen"] > before["eval_log_odds_chosen"] + 0.3
+
+
+def test_cpo_with_a_dpo_loss_logs_summed_log_prob_rewards(tmp_path):
+    """A composed loss that declares no metrics (dpo.hinge) gets TRL's sigmoid-type rewards: β·log π summed."""
+    trainer = CPOTrainer(str(tiny_model_path()), args=args(CPOConfig, tmp_path, loss_type="dpo.hinge", beta=0.2),
+                         train_dataset=preference_pairs(WORDS[:4]))
+    inputs = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    with torch.no_grad():
+        trainer.compute_loss(trainer.model, inputs)
+        batch, _ = trainer.preference_logps(trainer.model, inputs)
+    logged = trainer._metrics[trainer._mode]
+    assert logged["rewards/chosen"][0] == pytest.approx(0.2 * batch.chosen_logps.mean().item(), rel=1e-5)
+    assert logged["nll_loss"][0] == pytest.approx(logged["loss/dpo.sft"][0], rel=1e-6)
