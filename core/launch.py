@@ -4,12 +4,16 @@
 relaunch the command as ``python -m plait.cli ...`` in every process, which, like the ``plait``
 script, never imports from the working directory. Presets live in ``plait/accelerate_configs/``
 (cpu_ddp, single_gpu, multi_gpu, fsdp1, fsdp2, zero1, zero2, zero3; TRL's names, and ``fsdp`` is
-fsdp2); any accelerate config file works too. GPU presets go through ``accelerate launch``: FSDP
-and DeepSpeed shard only on GPUs (accelerate enables FSDP for GPU-type backends, never for CPU
-processes), so on a CPU-only machine their launch command is tested, not run. CPU data parallelism goes
-through ``torch.distributed.run`` instead, because ``accelerate launch --cpu`` expects mpirun and
-starts a single process; the processes are told to use the CPU (``ACCELERATE_USE_CPU``), so
-accelerate joins them with gloo, and each gets an equal share of the cores.
+fsdp2); any accelerate config file works too. GPU presets go through ``accelerate launch``.
+CPU processes go through ``torch.distributed.run`` instead, because ``accelerate launch --cpu``
+expects mpirun and starts a single process; the processes are told to use the CPU
+(``ACCELERATE_USE_CPU``), so accelerate joins them with gloo, and each gets an equal share of
+the cores. That is cpu_ddp, and fsdp2 on a machine without GPUs: its processes also get the
+FSDP settings ``accelerate launch`` would give them, and :func:`shard_on_cpu` turns FSDP on in
+them (accelerate 1.15 enables it for GPU-type backends only; torch's fully_shard runs over gloo).
+The other GPU presets refuse to start without a GPU: multi_gpu and DeepSpeed processes would
+each train alone, and FSDP1 wants an accelerator device (accelerate: "There are currently no
+available devices found"; torch: "Inconsistent compute device and `device_id`").
 """
 
 from __future__ import annotations
@@ -59,9 +63,40 @@ def _gpus() -> int:
     return torch.cuda.device_count()
 
 
+def _fsdp_environment(path: Path, n: int) -> dict[str, str]:
+    """The FSDP_* / ACCELERATE_* variables ``accelerate launch --config_file path`` gives its processes."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(path), "--num_processes", str(n), "plait"])
+    env = prepare_multi_gpu_env(_validate_launch_command(args)[0])
+    return {k: v for k, v in env.items() if k.startswith(("FSDP_", "ACCELERATE_")) and os.environ.get(k) != v}
+
+
+def shard_on_cpu(accelerator) -> bool:
+    """In a CPU process started for an FSDP preset, turn accelerate's FSDP on (before the model is
+    prepared); True if it did. accelerate 1.15 reads the FSDP settings but keeps a CPU process on
+    DDP; torch's FSDP (fully_shard) runs over gloo, so only the switch is missing."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = accelerator.state
+    if state.distributed_type != DistributedType.MULTI_CPU or os.environ.get("ACCELERATE_USE_FSDP") != "true":
+        return False
+    plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables, as accelerate would build it
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.distributed_type, state.fsdp_plugin = DistributedType.FSDP, plugin
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as accelerate does for GPU FSDP
+    if accelerator.is_main_process:
+        print(f"plait: FSDP{plugin.fsdp_version} over {accelerator.num_processes} CPU processes (gloo)", file=sys.stderr)
+    return True
+
+
 def launch_command(argv: list[str], num_processes: int | None = None, accelerate_config: str | None = None,
-                   environ: dict | None = None) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment that run ``plait <argv>`` on ``num_processes`` processes."""
+                   environ: dict | None = None, gpus: int | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that run ``plait <argv>`` on ``num_processes`` processes
+    (on a machine with ``gpus`` GPUs; default: this one's)."""
     if num_processes is not None and num_processes < 1:
         raise PlaitError(f"--num_processes {num_processes}: must be 1 or more")
     env = dict(os.environ if environ is None else environ)
@@ -69,7 +104,8 @@ def launch_command(argv: list[str], num_processes: int | None = None, accelerate
     # there would run in every process. PYTHONSAFEPATH is `python -P` for this process and every one
     # it starts (Python >= 3.11); the `plait` console script never looks in the working directory either.
     env["PYTHONSAFEPATH"] = "1"
-    path = preset_path(accelerate_config or (GPU_PRESET if _gpus() else CPU_PRESET))
+    gpus = _gpus() if gpus is None else gpus
+    path = preset_path(accelerate_config or (GPU_PRESET if gpus else CPU_PRESET))
     try:
         preset = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
@@ -77,14 +113,24 @@ def launch_command(argv: list[str], num_processes: int | None = None, accelerate
     if not isinstance(preset, dict):
         raise PlaitError(f"--accelerate_config {str(path)!r}: expected an accelerate config mapping; fix the file")
     on_cpu = bool(preset.get("use_cpu")) or preset.get("distributed_type") == "MULTI_CPU"
+    fsdp_on_cpu = preset.get("distributed_type") == "FSDP" and not gpus and not on_cpu
+    if fsdp_on_cpu and str((preset.get("fsdp_config") or {}).get("fsdp_version", 1)) == "1":
+        raise PlaitError(f"--accelerate_config {path.stem}: FSDP1 needs GPUs and this machine has none (its "
+                         "sync_module_states and torch's FullyShardedDataParallel want an accelerator device); "
+                         "use fsdp2, which shards over CPU processes too, or cpu_ddp")
+    if preset.get("distributed_type") in ("MULTI_GPU", "DEEPSPEED") and not gpus and not on_cpu:
+        raise PlaitError(f"--accelerate_config {path.stem}: needs GPUs and this machine has none (each process "
+                         "would train alone); use cpu_ddp, or fsdp2, which shards over CPU processes too")
     if preset.get("distributed_type") == "NO":  # single_gpu: one process whatever the machine has
         if num_processes not in (None, 1):
             raise PlaitError(f"--num_processes {num_processes}: --accelerate_config {path.stem} runs one process; "
                              "use multi_gpu (or fsdp2, zero2 ...) for more")
         num_processes = 1
-    n = num_processes or (preset.get("num_processes") if on_cpu else _gpus() or preset.get("num_processes")) or 1
+    n = num_processes or (preset.get("num_processes") if on_cpu else gpus or preset.get("num_processes")) or 1
     module = ["-m", "plait.cli", *argv]
-    if on_cpu:
+    if fsdp_on_cpu:
+        env.update(_fsdp_environment(path, n))
+    if on_cpu or fsdp_on_cpu:
         env["ACCELERATE_USE_CPU"] = "true"  # -> accelerate picks MULTI_CPU with gloo in every process
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *module]

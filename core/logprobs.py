@@ -23,6 +23,7 @@ autocast (the ScaleRL recipe, Khatri et al. 2025). The layer's stored weights ar
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from typing import Any, Callable
 
@@ -344,11 +345,21 @@ def _final_hidden(model, input_ids, forward_kwargs,
         # accelerate's mixed precision autocasts only the model's forward; the chunks run after
         # it returns, so they re-enter the same autocast (bf16 projections, as the model's own).
         with autocast():
-            return post(head(h))
+            return post(call(h))
+
+    # An FSDP2-sharded layer is called through forward(): its module hooks would start a second
+    # unshard/reshard cycle of its group outside the model's forward (seen: a segfault in the next
+    # backward); its weights are still gathered here (accelerate keeps the output group unsharded).
+    call = head.forward if _fsdp2_sharded(head) else head
 
     if rng is not None:
         _check_head(head, project, hidden, output.logits, rng)
     return hidden, head, project, output
+
+
+def _fsdp2_sharded(module: torch.nn.Module) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # loaded wherever a module was sharded; never imported here
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
 def _predictors(select: Tensor, shape: torch.Size) -> Tensor:

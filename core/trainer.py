@@ -28,6 +28,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from . import __version__, preflight
 from .config import config_fields
 from .errors import PlaitError
+from .launch import shard_on_cpu
 from .logprobs import token_logprobs
 from .manager import Plugins, default_plugins
 from .model_card import CardDetails, write_model_card
@@ -172,6 +173,11 @@ class PlaitTrainer(Trainer):
 
     def make_collator(self, processing_class, args):
         raise NotImplementedError
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        if shard_on_cpu(self.accelerator):  # an FSDP preset on CPU processes (plait.launch)
+            self.is_fsdp_enabled = True
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """``resume_from_checkpoint=True`` (or ``"latest"``) resumes from the newest *complete*
@@ -380,7 +386,8 @@ class PlaitTrainer(Trainer):
     def _weights_finite(self, model) -> bool:
         """Are all parameters finite, on every process? (one pass over the weights; one sync)"""
         device = self.args.device
-        flags = [(~torch.isfinite(p.detach())).any().to(device) for p in model.parameters()]
+        # under FSDP2 a parameter is a DTensor: each process checks its own shard, the reduce adds them
+        flags = [(~torch.isfinite(_local(p.detach()))).any().to(device) for p in model.parameters()]
         bad = torch.stack(flags).any().float() if flags else torch.zeros((), device=device)
         if self.accelerator.num_processes > 1:
             bad = self.accelerator.reduce(bad, "sum")
@@ -469,6 +476,9 @@ class PlaitTrainer(Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         output_dir = output_dir or self.args.output_dir
+        if state_dict is not None:  # gathered from shards (FSDP): tied weights came back as separate copies
+            copies = _tied_copies(self.model)
+            state_dict = {k: v for k, v in state_dict.items() if k not in copies}
         if self._wrapper is None:
             super()._save(output_dir, state_dict)
         else:  # the policy is saved as the model; the wrapper's state_dict is not the policy's
@@ -543,6 +553,19 @@ def router_aux_loss_coefficient(model: PreTrainedModel, coef: float | None) -> f
                              "that returns router logits, so there is no auxiliary loss to weigh; leave it unset")
         return 0.0
     return float(getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef)
+
+
+def _tied_copies(model: torch.nn.Module) -> set[str]:
+    """The names under which a parameter appears again after its first name (tied weights)."""
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(param), name)
+    return {name for name, param in model.named_parameters(remove_duplicate=False) if first[id(param)] != name}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a tensor: a DTensor's local shard, else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def offloading_applies(device: torch.device) -> bool:

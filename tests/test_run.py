@@ -267,7 +267,7 @@ def test_cpu_processes_start_through_torch_distributed_run():
 
 
 def test_gpu_presets_start_through_accelerate_launch():
-    command, env = launch_command(["dpo", "--config", "r.yaml"], 4, "zero3", environ={})
+    command, env = launch_command(["dpo", "--config", "r.yaml"], 4, "zero3", environ={}, gpus=4)
     assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
     assert command[3:7] == ["--config_file", str(PRESETS / "zero3.yaml"), "--num_processes", "4"]
     assert command[7:] == ["-m", "plait.cli", "dpo", "--config", "r.yaml"]
@@ -276,7 +276,7 @@ def test_gpu_presets_start_through_accelerate_launch():
 
 def test_an_accelerate_config_file_by_path_and_an_unknown_preset(tmp_path):
     own = write(tmp_path / "mine.yaml", "distributed_type: MULTI_GPU\nnum_processes: 3\n")
-    assert launch_command(["sft"], 3, str(own))[0][3:5] == ["--config_file", str(own)]
+    assert launch_command(["sft"], 3, str(own), gpus=3)[0][3:5] == ["--config_file", str(own)]
     with pytest.raises(PlaitError, match=r"--accelerate_config 'zero4': no such preset or file; did you mean 'zero3'\?"):
         launch_command(["sft"], 2, "zero4")
     with pytest.raises(PlaitError, match="--num_processes 0: must be 1 or more"):

@@ -267,7 +267,7 @@ def test_trl_preset_names_and_the_commands_they_launch():
     assert (fsdp2.distributed_type.value, fsdp2.fsdp_config["fsdp_version"]) == ("FSDP", 2)
     assert ClusterConfig.from_yaml_file(str(preset_path("fsdp1"))).fsdp_config["fsdp_version"] == 1
     assert preset_path("fsdp") == PRESETS / "fsdp2.yaml"  # plait's earlier name
-    command, _ = launch_command(["sft", "--config", "r.yaml"], 2, "fsdp2", environ={})
+    command, _ = launch_command(["sft", "--config", "r.yaml"], 2, "fsdp2", environ={}, gpus=2)  # without: test_fsdp_cpu
     assert command[3:7] == ["--config_file", str(PRESETS / "fsdp2.yaml"), "--num_processes", "2"]
     command, _ = launch_command(["sft"], None, "single_gpu", environ={})
     assert command[3:7] == ["--config_file", str(PRESETS / "single_gpu.yaml"), "--num_processes", "1"]
