@@ -192,6 +192,9 @@ class PolicyTokens:
     NaN where it could not score a token), None when the backend reports none. ``gather`` joins a
     1-D tensor's values from every process (the identity in one process), for a statistic over
     the whole micro-batch of all processes, such as an entropy quantile.
+    ``tool_mask`` ``[B, T]`` marks tokens a tool or an environment inserted into a multi-turn
+    completion (context for later turns, never sampled by the policy): they are outside ``mask``,
+    so no loss reads them; None for single-turn rollouts.
     """
 
     logps: Tensor
@@ -206,6 +209,7 @@ class PolicyTokens:
     entropy: Tensor | None = None
     sampling_logps: Tensor | None = attrs.field(default=None, converter=_frozen)
     gather: Callable[[Tensor], Tensor] = _identity
+    tool_mask: Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -130,6 +130,19 @@ def register_judges(register: Register) -> None:
 
 
 @hookspec
+def register_environments(register: Register) -> None:
+    """Register environments for multi-turn online RL (``env.arithmetic``), and tool-call formats
+    (``env.parser.hermes``).
+
+    An environment's ``obj`` is a factory returning a fresh :class:`plait.rollouts.Environment` per
+    episode (``obj()``, or ``obj(params)`` with ``params=``): given a dataset row it gives the prompt,
+    answers each model turn (tool results, a reply) until the episode ends, and may score it
+    (``owns_reward=False`` when it never does). A parser's ``obj(text) -> (content, [ToolCall])``
+    reads the tool calls out of one model turn (see :mod:`plait.tools`).
+    """
+
+
+@hookspec
 def register_commands(register: Register) -> None:
     """Register ``plait`` CLI subcommands (``command.vllm-serve`` becomes ``plait vllm-serve``).
 

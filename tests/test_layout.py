@@ -35,6 +35,7 @@ KIND_FOLDERS = {
     "plugins/reward_sources": {"resolve_reward"},
     "plugins/commands": {"register_commands"},  # subcommands of their own (`plait reward`, TRL's names)
     "plugins/judges": {"register_judges"},  # online DPO's judges (reward_model, rules, pairwise)
+    "plugins/environments": {"register_environments"},  # multi-turn environments, tools, tool-call formats
     "losses": {"register_losses"},
     "rewards": {"register_rewards"},
 }
