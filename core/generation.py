@@ -246,7 +246,8 @@ class GenerationChoice:
       ``transformers_continuous_batching_config``, ``generation_max_batch_size``,
       ``ds3_gather_for_generation`` (DeepSpeed ZeRO-3 only);
     * the vLLM backends: the ``vllm_*`` engine and server fields (docs/vllm.md);
-    * ``max_tool_calling_iterations`` is kept for tool calling (not implemented yet);
+    * ``max_tool_calling_iterations``: how many times generation continues after tool results
+      (:mod:`plait.rollouts`; None: until the length budget ends);
     * completion logs: ``log_completions`` prints (and sends to wandb) a table of each rollout's
       completions, ``num_completions_to_print`` rows of it, one row per prompt with
       ``log_unique_prompts``; ``log_multimodal`` and ``log_completions_hub_repo`` are kept (plait's

@@ -41,6 +41,7 @@ KINDS = {
     "methods": "method", "losses": "loss", "rewards": "reward",
     "advantage_estimators": "advantage estimator", "generation_backends": "generation backend",
     "data_formats": "data format", "collators": "collator", "packing_strategies": "packing strategy", "judges": "judge", "commands": "command",
+    "environments": "environment",
 }
 
 

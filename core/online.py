@@ -41,6 +41,7 @@ from .importance_sampling import importance_sampling_metrics, importance_weights
 from .models import Reference, ReferenceSync, SyncReference
 from .objective import LossChoice, Objective
 from .params import int_at_least, non_negative, one_of, positive
+from .rollouts import Agent, AgentChoice
 from .scoring import (RewardChoice, RewardLogs, UnscoredBatches, compute_rewards, resolve_advantage_estimator,
                       resolve_reward_funcs, reward_metrics, reward_weights)
 from .trainer import PlaitTrainer
@@ -53,9 +54,10 @@ def _optional(validator):
 
 
 @attrs.define
-class OnlineParams(ReferenceSync, GenerationChoice, LossChoice, RewardChoice):
+class OnlineParams(ReferenceSync, AgentChoice, GenerationChoice, LossChoice, RewardChoice):
     """Knobs every online method shares, its losses included; names and defaults follow TRL's GRPOConfig.
-    How completions are sampled and logged is :class:`plait.generation.GenerationChoice`.
+    How completions are sampled and logged is :class:`plait.generation.GenerationChoice`; tools,
+    environments and rollout functions (multi-turn episodes) are :class:`plait.rollouts.AgentChoice`.
 
     ``num_generations_eval`` completions per prompt are sampled in evaluation (None: ``num_generations``).
     The sampler's importance ratio ρ (see :mod:`plait.importance_sampling`) is bounded to
@@ -346,12 +348,15 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
     # rewards as the config's reward_funcs).
     _reward_specs = None
     _reward_processing_classes = None
+    _agent_args: dict = {}  # tools, environment_factory, rollout_func given to the constructor
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
-                 quantization_config=None, peft_config=None, plugins=None):
+                 quantization_config=None, peft_config=None, plugins=None, tools=None, rollout_func=None,
+                 environment_factory=None):
         self._reward_specs = reward_funcs
         self._reward_processing_classes = reward_processing_classes
+        self._agent_args = {"tools": tools, "rollout_func": rollout_func, "environment_factory": environment_factory}
         super().__init__(model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, peft_config=peft_config, callbacks=callbacks,
                          optimizers=optimizers, quantization_config=quantization_config, plugins=plugins)
@@ -375,6 +380,10 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
             raise PlaitError("reward functions are given both as the reward_funcs argument and in the config's "
                              "reward_funcs; give them once")
         specs = specs if specs is not None else p.reward_funcs
+        self.agent = Agent.from_params(p, self.plugins, **self._agent_args)  # multi-turn episodes (plait.rollouts)
+        owned = self.agent is not None and self.agent.owns_reward  # an environment that scores its episodes
+        if specs is None and owned:
+            specs = []
         if specs is None:
             raise PlaitError(f"{type(self).__name__} needs reward_funcs: a registered name (e.g. 'think_format'), "
                              "a callable, or a reward-model path")
@@ -387,8 +396,10 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
             raise PlaitError(f"sync_ref_model=True but beta={p.beta} uses no reference model, so there is nothing to "
                              "sync; set sync_ref_model=False or beta > 0")
         self.backend_component = resolve_backend(self.plugins, args)  # unknown names and options fail now
-        self.reward_funcs = self._resolve_rewards(entries)
-        self.reward_weights = reward_weights(self.reward_funcs, p.reward_weights)
+        self.reward_funcs = ((self._resolve_rewards(entries) if entries else [])
+                             + ([self.agent.reward_function()] if owned else []))
+        weights = p.reward_weights if p.reward_weights is None or not owned else [*p.reward_weights, 1.0]
+        self.reward_weights = reward_weights(self.reward_funcs, weights)
 
     def _resolve_rewards(self, entries: list) -> list:
         classes = self._reward_processing_classes
@@ -500,8 +511,14 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
         columns = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "prompt")}
         n, g = len(prompt_ids), self.group_size
 
-        generations = self.generate(prompt_ids, g)
+        if self.agent is None:
+            generations = self.generate(prompt_ids, g)
+        else:  # tools, an environment or a rollout_func: multi-turn episodes (plait.rollouts)
+            generations = self.agent.run(self, prompts, columns, g)
+            prompt_ids, columns = generations.prompt_ids, {**columns, **self.agent.columns(generations)}
         batch = pack(prompt_ids, generations.completion_ids, self._pad_id(), device, self.padding_multiple)
+        if self.agent is not None:  # inserted tokens leave the completion mask for the tool mask
+            Agent.masks(batch, generations)
         completion_mask = batch["completion_mask"]
         finished = torch.tensor(generations.finished, device=device)
         loss_mask = completion_mask * finished.unsqueeze(-1) if p.mask_truncated_completions else completion_mask
@@ -522,6 +539,8 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
 
         completions = [[{"role": "assistant", "content": t}] if is_conversational(pr) else t
                        for t, pr in zip(generations.texts, prompts)]
+        if getattr(generations, "messages", None) is not None:  # an episode's assistant and tool messages
+            completions = generations.messages
         logs = RewardLogs()  # what the reward functions log (log_extra, log_metric)
         rewards = compute_rewards(self.reward_funcs, prompts=prompts, completions=completions,
                                   completion_ids=generations.completion_ids, columns=columns,
@@ -549,7 +568,7 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
             "num_items_in_batch": per_step,
         }
         for key, value in (("old_logps", old), ("ref_logps", ref), ("importance_weights", weights),
-                           ("sampling_logps", sampler)):
+                           ("sampling_logps", sampler), ("tool_mask", batch.get("tool_mask"))):
             if value is not None:
                 out[key] = value
         return out
@@ -608,7 +627,7 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
             gradient_accumulation_steps=self.current_gradient_accumulation_steps if training else 1,
             max_completion_length=p.max_completion_length,
             entropy=out.entropy[:, width:], sampling_logps=inputs.get("sampling_logps"),
-            gather=functools.partial(gather_ragged, self.accelerator),
+            gather=functools.partial(gather_ragged, self.accelerator), tool_mask=inputs.get("tool_mask"),
         )
         loss, parts = self.objective(batch)
         metrics = {"entropy": masked_mean(out.entropy[:, width:].detach(), mask)}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "contracts": ("ContractViolation", "check_advantage_estimator", "check_component", "check_loss",
+    "contracts": ("ContractViolation", "check_advantage_estimator", "check_component", "check_environment", "check_loss",
                   "check_params", "check_reward", "describe"),
     "strategies": ("BatchKind", "batch_kind", "batches", "pairwise_rewards", "policy_tokens", "preference_logps",
                    "register_batch_kind", "reward_inputs", "rollouts", "take", "token_distributions", "token_logps",

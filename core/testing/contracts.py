@@ -642,8 +642,111 @@ def check_advantage_estimator(
 
 # ---------------------------------------------------------------------------------------------
 
+# ---------------------------------------------------------------------------------------------
+# Environments
+# ---------------------------------------------------------------------------------------------
+
+
+class _Recording:
+    """A real generation backend that remembers every (prompt, completion) it produced."""
+
+    def __init__(self, backend):
+        self.backend, self.seen = backend, {}
+
+    def generate(self, prompts, sampling):
+        out = self.backend.generate(prompts, sampling)
+        for prompt, completion in zip(out.prompt_ids, out.completion_ids):
+            self.seen.setdefault(tuple(prompt), []).append(list(completion))
+        return out
+
+    def sleep(self):
+        self.backend.sleep()
+
+
+def check_environment(component: Any, rows: Sequence[dict] | None = None, plugins: Plugins | None = None, *,
+                      params: dict | None = None, max_turns: int = 3, max_completion_length: int = 48,
+                      model: Any = None, processing_class: Any = None, temperature: float = 1.0,
+                      seed: int = 0) -> list[str]:
+    """Drive episodes of an environment on ``rows`` through the transformers backend (the tiny model
+    unless ``model`` and ``processing_class`` are given) and check them; returns the properties checked.
+
+    ``component``: a registered name (``env.arithmetic``), a registry Component, or a factory
+    returning a fresh :class:`plait.rollouts.Environment`. Properties: the trainable mask aligns with
+    the token ids; every run of trainable tokens is exactly what the backend sampled from the
+    conversation so far (the model's tokens are never altered); inserted tokens only follow a model
+    turn that ended with EOS; episodes end within ``max_turns`` model turns and the length budget;
+    the reward is None or a finite number.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from plait.generation import SamplingParams
+    from plait.rollouts import drive, encode_start
+    from plait.tools import resolve_parser, resolve_tools
+    from plait.testing.tiny_model import tiny_model_path
+
+    plugins = plugins or make_plugins()
+    if isinstance(component, str):
+        component = plugins.environments.get(component, family="env")
+    if isinstance(component, Component):
+        who = _who(component)
+        made = component.make_params(**(params or {})) if component.params is not None else None
+        factory = (lambda: component.obj(made)) if made is not None else component.obj
+    else:
+        who, factory = f"environment {getattr(component, '__name__', component)!r}", component
+    rows = list(rows or [{"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "answer": 5}])
+    if model is None:
+        path = tiny_model_path()
+        model, processing_class = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(seed)
+    backend = _Recording(plugins.generation_backends.get("generation.transformers").obj(model, processing_class))
+    sampling = SamplingParams(max_completion_length=max_completion_length, temperature=temperature)
+    envs = [factory() for _ in rows]
+    for env in envs:
+        env.tools = [t if hasattr(t, "schema") else resolve_tools([t])[0] for t in env.tools]
+    starts = [env.reset(row) for env, row in zip(envs, rows)]
+    prompt_ids = [encode_start(processing_class, start, env.tools) for start, env in zip(starts, envs)]
+    parser = resolve_parser(None, processing_class, plugins)
+    episodes = drive(lambda ids, g: backend.generate(ids, sampling), backend, processing_class, sampling, envs,
+                     prompt_ids, starts, 1, parser, max_turns)
+    eos = backend.backend.eos_ids
+    for i, (ids, mask) in enumerate(zip(episodes.completion_ids, episodes.trainable)):
+        where = f"row {i}: ids={ids}, trainable={mask}"
+        if len(ids) != len(mask) or any(m not in (0, 1) for m in mask):
+            raise ContractViolation(who, "masks align with ids", f"{len(ids)} ids but {len(mask)} mask values", where)
+        if episodes.logprobs is not None and len(episodes.logprobs[i]) != len(ids):
+            raise ContractViolation(who, "masks align with ids", "log-probs and ids differ in length", where)
+        t = 0
+        while t < len(ids):
+            end = t
+            while end < len(ids) and mask[end] == mask[t]:
+                end += 1
+            if mask[t] == 1:
+                context = tuple(prompt_ids[i] + ids[:t])
+                sampled = backend.seen.get(context, [])
+                if not any(run[:end - t] == ids[t:end] and len(run) >= end - t for run in sampled):
+                    raise ContractViolation(who, "the model's tokens are exactly what it generated",
+                                            f"tokens {ids[t:end]} at {t} were not sampled from that context", where)
+            elif t == 0 or ids[t - 1] not in eos:
+                raise ContractViolation(who, "inserted tokens follow a finished model turn",
+                                        f"inserted tokens at {t} follow {ids[t - 1] if t else 'the prompt'}, not EOS",
+                                        where)
+            t = end
+        turns = episodes.stats["turns"][i]
+        if turns > (envs[i].max_turns or max_turns) or len(ids) > max_completion_length:
+            raise ContractViolation(who, "episodes end within the turn limit",
+                                    f"{turns} turns (limit {max_turns}), {len(ids)} tokens (budget "
+                                    f"{max_completion_length})", where)
+    for i, reward in enumerate(episodes.rewards or []):
+        if reward is not None and not (isinstance(reward, numbers.Real) and math.isfinite(reward)):
+            raise ContractViolation(who, "reward is None or finite", f"row {i}: reward {reward!r}")
+    return ["masks align with ids", "the model's tokens are exactly what it generated",
+            "inserted tokens follow a finished model turn", "episodes end within the turn limit",
+            "reward is None or finite"]
+
+
 CHECKS: dict[str, Callable[..., list[str]]] = {
     "loss": check_loss, "reward": check_reward, "advantage estimator": check_advantage_estimator,
+    "environment": check_environment,
 }
 
 

@@ -21,7 +21,7 @@ import shutil
 import tempfile
 
 # Bump when the output of build_tiny_model changes, so stale caches are not reused.
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"  # 2: the template renders tools= (a system turn listing their schemas)
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|im_end|>", "<|pad|>"
 IM_START = "<|im_start|>"
@@ -29,7 +29,13 @@ SPECIAL_TOKENS = [PAD, BOS, "<|endoftext|>", IM_START, EOS]
 
 # Assistant turns (their content and the closing <|im_end|>) are wrapped in
 # {% generation %} so transformers can return an assistant-token mask.
+# With tools=, a first system turn lists their JSON schemas (nothing changes without tools).
 _CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\nTools:' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
     "{%- if message['role'] == 'assistant' -%}"
@@ -176,14 +182,20 @@ def cache_root() -> pathlib.Path:
 def tiny_model_path(generation_markers: bool = True, *, seed: int = 0) -> pathlib.Path:
     """The cached tiny model folder for these options, built on first use (atomic, process-safe)."""
     key = hashlib.sha256(f"{BUILDER_VERSION}|markers={generation_markers}|seed={seed}".encode()).hexdigest()[:12]
+    return cached_build(f"tiny-model-{key}",
+                        lambda staging: build_tiny_model(staging, seed=seed, generation_markers=generation_markers))
+
+
+def cached_build(name: str, build) -> pathlib.Path:
+    """``cache_root() / name``, made by ``build(folder)`` on first use in a private folder renamed into place."""
     root = cache_root()
-    final = root / f"tiny-model-{key}"
+    final = root / name
     if (final / "config.json").exists():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=".tiny-model-", dir=root))
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
-        build_tiny_model(staging, seed=seed, generation_markers=generation_markers)
+        build(staging)
         try:
             os.rename(staging, final)  # atomic; fails if another process got there first
         except OSError:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from plait.batches import PreferenceLogps, Rollout
-from plait.testing import check_advantage_estimator, check_loss, check_reward
+from plait.testing import check_advantage_estimator, check_environment, check_loss, check_reward
 
 
 def test_simpo_contract():
@@ -19,6 +19,11 @@ def test_concise_contract():
 
 def test_centered_rank_contract():
     check_advantage_estimator("advantage.centered_rank")
+
+
+def test_guess_number_contract():
+    # episodes driven through the transformers backend on plait's tiny model
+    check_environment("env.guess_number", [{"secret": 7}, {"secret": 93}], max_completion_length=24)
 
 
 def test_simpo_by_hand(plait_plugins):

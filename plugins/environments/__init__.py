@@ -1,0 +1,1 @@
+"""Built-in environments and tools for multi-turn online RL (``register_environments``)."""
