@@ -317,3 +317,26 @@ def test_the_judged_behaviour_becomes_more_frequent_on_the_tiny_model():
     assert scores[0] < 1.5
     assert scores[-1] > 3.0 and scores[-1] > 3 * scores[0]  # seed 0: 0.68 -> 3.85 (seeds 1, 2: -> 7.8, 8.0)
     assert logged(t, "rewards/margins")[-1] > 0
+
+
+# -- the generation backend, adapters, evaluation ------------------------------------------------
+
+
+@pytest.mark.parametrize("fields, backend", [({}, "generation.transformers"),
+                                             ({"use_vllm": True}, "generation.vllm_colocate"),
+                                             ({"use_vllm": True, "vllm_mode": "server"}, "generation.vllm_server"),
+                                             ({"generation_backend": "transformers"}, "generation.transformers")])
+def test_the_backend_is_grpos_generation_choice(fields, backend):
+    assert validate(judge={"name": "rules", "rewards": ["think_format"]}, **fields).backend_component.name == backend
+
+
+def test_lora_reference_accumulation_and_evaluation():
+    from peft import LoraConfig
+
+    t = plait.OnlineDPOTrainer(str(tiny_model_path()), reward_funcs=low_tokens, train_dataset=PROMPTS, eval_dataset=PROMPTS,
+                               args=config(gradient_accumulation_steps=2, per_device_train_batch_size=2,
+                                           per_device_eval_batch_size=4, eval_strategy="steps", eval_steps=2),
+                               peft_config=LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    assert t.reference.model is None and t.reference.adapters_off  # the policy with its adapters off
+    t.train()
+    assert len(logged(t, "loss")) == 2 and logged(t, "eval_rewards/margins") and logged(t, "eval_objective/kl")
