@@ -113,7 +113,9 @@ class PlaitTrainer(Trainer):
             self.peft_config = peft_config
             refuse_adapters_on_adapters(model, peft_config)
             model = self.before_peft(model, args, **kwargs)
-            model = wrap_peft(model, peft_config, args.gradient_checkpointing)
+            with torch.random.fork_rng(devices=[]):  # new adapters start from args.seed on any launcher
+                torch.manual_seed(args.seed)
+                model = wrap_peft(model, peft_config, args.gradient_checkpointing)
             if args.disable_dropout:
                 for module in (model, *self.held_models()):
                     disable_dropout(module)

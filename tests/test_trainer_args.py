@@ -197,6 +197,17 @@ def test_a_peft_model_trains_its_adapter(tiny_model_path, tmp_path):
         sft(model, tmp_path, peft_config=LoraConfig(r=4))
 
 
+def test_new_lora_adapters_start_from_the_configs_seed(tiny_model_path, tmp_path):
+    def adapters(seed):
+        torch.manual_seed(1234 + seed)  # the caller's RNG must not matter
+        t = sft(str(tiny_model_path), tmp_path, config={"seed": seed}, peft_config=LoraConfig(r=4, target_modules="all-linear"))
+        return {n: p.detach().clone() for n, p in t.model.named_parameters() if "lora_A" in n}
+
+    first, again, other = adapters(0), adapters(0), adapters(1)
+    assert first and all(torch.equal(first[n], again[n]) for n in first)
+    assert not any(torch.equal(first[n], other[n]) for n in first)
+
+
 def test_a_causal_lm_path_becomes_a_reward_model_with_a_fresh_seeded_head(tiny_model_path, tmp_path):
     def head(seed):
         args = plait.RewardConfig(**common(tmp_path, seed=seed))
