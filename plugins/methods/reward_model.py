@@ -80,15 +80,15 @@ class ScalarRewardModel:
         return AutoModelForSequenceClassification.from_pretrained(path, **{"num_labels": 1, **kwargs})
 
 
-def _score_head_trainable(peft_config):
-    """PEFT's SEQ_CLS task keeps the score head trainable (modules_to_save); without it the new,
-    random head would stay frozen. Copied, so the caller's config is left as given."""
-    if peft_config is None or str(getattr(peft_config, "task_type", None)) in ("SEQ_CLS", "TaskType.SEQ_CLS"):
+def head_trainable(peft_config, task_type: str = "SEQ_CLS", who: str = "reward model"):
+    """PEFT's classification tasks (SEQ_CLS, TOKEN_CLS) keep the new head trainable (modules_to_save);
+    without one the new, random head would stay frozen. Copied, so the caller's config is left as given."""
+    if peft_config is None or str(getattr(peft_config, "task_type", None)) in (task_type, f"TaskType.{task_type}"):
         return peft_config
-    logger.info("reward model: peft_config.task_type=%r -> 'SEQ_CLS' so the score head is trained",
-                getattr(peft_config, "task_type", None))
+    logger.info("%s: peft_config.task_type=%r -> %r so the classification head is trained",
+                who, getattr(peft_config, "task_type", None), task_type)
     peft_config = copy.deepcopy(peft_config)
-    peft_config.task_type = "SEQ_CLS"
+    peft_config.task_type = task_type
     return peft_config
 
 
@@ -100,7 +100,7 @@ class RewardTrainer(PlaitTrainer):
     auto_model_class = ScalarRewardModel
 
     def __init__(self, model, args=None, peft_config=None, **kwargs):
-        super().__init__(model, args=args, peft_config=_score_head_trainable(peft_config), **kwargs)
+        super().__init__(model, args=args, peft_config=head_trainable(peft_config), **kwargs)
 
     def validate(self, args) -> None:
         p = args.params
