@@ -47,6 +47,16 @@ def trainer(reward_funcs=low_tokens, plugins=None, **overrides):
                                   train_dataset=PROMPTS * 4, plugins=plugins)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread_each():
+    """The trainer and the worker process one core each (the worker takes half the trainer's threads):
+    on a shared 2-core machine contended threads make every step several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def logged(t, key):
     return [h[key] for h in t.state.log_history if key in h]
 
@@ -101,9 +111,11 @@ class CopyEnginePlugin:
 
 
 def test_pipeline_fields_have_trl_names_and_defaults():
-    p = plait.AsyncGRPOConfig(output_dir="/tmp/plait-test-async-grpo").params
-    assert (p.max_staleness, p.weight_sync_steps, p.max_inflight_tasks, p.queue_maxsize, p.request_timeout) == \
-        (4, 1, -1, 1024, 600.0)
+    args = plait.AsyncGRPOConfig(output_dir="/tmp/plait-test-async-grpo")
+    p = args.params  # TRL 1.16's trl.experimental.async_grpo.AsyncGRPOConfig defaults
+    assert (p.max_staleness, p.weight_sync_steps, p.max_inflight_tasks, p.queue_maxsize, p.request_timeout,
+            p.weight_sync_timeout, p.max_completion_length) == (4, 1, -1, 1024, 600, 1800, 2048)
+    assert (args.learning_rate, args.logging_steps) == (1e-6, 1)
     assert isinstance(p, type(plait.GRPOConfig(output_dir="/tmp/x").params))  # every GRPO knob is there too
 
 
@@ -121,8 +133,9 @@ def test_due_steps_and_requests_ahead_follow_the_batch_arithmetic():
     t = trainer(steps_per_generation=2, gradient_accumulation_steps=1, per_device_train_batch_size=4,
                 num_iterations=2)  # one generation batch = 2 micro-batches × 2 passes = 4 optimizer steps
     assert [t.due_step(i) for i in range(3)] == [0, 4, 8]
-    assert t.in_flight == 2  # max_staleness 1: (1 + 1) generation batches ahead
+    assert t.in_flight == 1  # max_staleness 1: one step's 4 completions ahead, at least one whole batch
     assert trainer(max_inflight_tasks=1).in_flight == 1  # fewer than one batch still asks for one
+    assert trainer(max_staleness=3).in_flight == 3  # 3 steps × 8 completions = three batches of 8
     assert trainer(max_staleness=4, queue_maxsize=16).in_flight == 2  # 16 completions = two batches of 8
     loader = iter(t.get_train_dataloader())
     for index in range(3):  # the worker's prompts are the ones the data loader hands out for that batch

@@ -65,20 +65,25 @@ logger = logging.getLogger("plait")
 
 @attrs.define
 class AsyncGRPOParams(GRPOParams):
-    """GRPO's knobs plus the rollout pipeline's, named as in TRL's AsyncGRPOConfig.
+    """GRPO's knobs plus the rollout pipeline's, named as in TRL 1.16's AsyncGRPOConfig
+    (``trl.experimental.async_grpo``), with its defaults (``max_completion_length`` 2048 too).
 
     ``max_staleness``: optimizer steps a sample may lag behind the weights it trains (older ones
     are dropped and regenerated). ``weight_sync_steps``: optimizer steps between weight pushes to the
-    worker. ``max_inflight_tasks``: completions requested from the worker ahead of the trainer (−1:
-    (``max_staleness`` + 1) generation batches); ``queue_maxsize`` caps them too. ``request_timeout``:
-    seconds the trainer waits for one generation batch before it gives up naming the worker.
+    worker. ``max_inflight_tasks``: completions requested from the worker ahead of the trainer (−1,
+    TRL's rule: ``max_staleness`` optimizer steps' worth, at least one generation batch);
+    ``queue_maxsize`` caps them too. ``request_timeout``: seconds the trainer waits for one generation
+    batch, ``weight_sync_timeout``: seconds a weight push may wait for the worker, before either
+    gives up naming the worker.
     """
 
+    max_completion_length: int = attrs.field(default=2048, validator=int_at_least(1))
     max_staleness: int = attrs.field(default=4, validator=int_at_least(0))
     weight_sync_steps: int = attrs.field(default=1, validator=int_at_least(1))
     max_inflight_tasks: int = attrs.field(default=-1, validator=int_at_least(-1))
     queue_maxsize: int = attrs.field(default=1024, validator=int_at_least(1))
-    request_timeout: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))
+    request_timeout: float = attrs.field(default=600, validator=attrs.validators.gt(0))
+    weight_sync_timeout: float = attrs.field(default=1800, validator=attrs.validators.gt(0))
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -97,7 +102,7 @@ class AsyncGRPOParams(GRPOParams):
 
 AsyncGRPOConfig = method_config(
     "AsyncGRPOConfig", AsyncGRPOParams,
-    defaults={"learning_rate": 1e-6, "logging_steps": 10, "remove_unused_columns": False},
+    defaults={"learning_rate": 1e-6, "logging_steps": 1, "remove_unused_columns": False},
 )
 
 
@@ -136,7 +141,7 @@ class RolloutWorker:
     def take(self, index: int, timeout: float) -> Result:
         raise NotImplementedError
 
-    def push(self, model, version: int) -> None:
+    def push(self, model, version: int, timeout: float | None = None) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -195,11 +200,16 @@ class ProcessWorker(RolloutWorker):
         with _main_not_reimported():
             self.process.start()
 
-    def push(self, model, version: int) -> None:
-        with self.condition:
+    def push(self, model, version: int, timeout: float | None = None) -> None:
+        if not self.condition.acquire(timeout=timeout):
+            raise PlaitError(f"the rollout worker held its weights for more than weight_sync_timeout={timeout:g} s; "
+                             "raise weight_sync_timeout")
+        try:
             _copy_weights(model, into=self.shared)
             self.version.value = version
             self.condition.notify_all()
+        finally:
+            self.condition.release()
 
     def submit(self, job: Job) -> None:
         self.requests.put(job)
@@ -337,11 +347,16 @@ class ThreadWorker(RolloutWorker):
     def exclusive(self):
         return self.lock
 
-    def push(self, model, version: int) -> None:
-        with self.lock:
+    def push(self, model, version: int, timeout: float | None = None) -> None:
+        if not self.lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise PlaitError(f"the rollout worker generated for more than weight_sync_timeout={timeout:g} s while a "
+                             "weight push waited; raise weight_sync_timeout or make generation batches smaller")
+        try:
             self.backend.load_weights(model)
             self.version = version
             self.lock.notify_all()
+        finally:
+            self.lock.release()
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
@@ -401,7 +416,7 @@ class _PushWeights(TrainerCallback):
         trainer = self.trainer
         if trainer.worker is not None and state.global_step % args.params.weight_sync_steps == 0:
             start = time.perf_counter()
-            trainer.worker.push(trainer.model_wrapped, state.global_step)
+            trainer.worker.push(trainer.model_wrapped, state.global_step, args.params.weight_sync_timeout)
             trainer.push_seconds.append(time.perf_counter() - start)
 
 
@@ -450,14 +465,15 @@ class AsyncGRPOTrainer(GRPOTrainer):
         else:
             worker = ThreadWorker(self.backend)
         self.worker = worker
-        worker.push(self.model_wrapped, self.state.global_step)
+        worker.push(self.model_wrapped, self.state.global_step, p.weight_sync_timeout)
         return worker
 
     @property
     def in_flight(self) -> int:
         """Generation batches requested ahead of the one being trained on."""
-        p, total = self.args.params, self.sizes.total
-        wanted = (p.max_staleness + 1) * total if p.max_inflight_tasks < 0 else p.max_inflight_tasks
+        p, args, total = self.args.params, self.args, self.sizes.total
+        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+        wanted = p.max_staleness * per_step if p.max_inflight_tasks < 0 else p.max_inflight_tasks
         return max(1, min(math.ceil(wanted / total), p.queue_maxsize // total))
 
     def due_step(self, index: int) -> int:
@@ -509,7 +525,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             # stale or sampled for other prompts: drop it, and sample these prompts from the current weights
             self.dropped_batches += 1
             if result.version < step:
-                self.worker.push(self.model_wrapped, step)
+                self.worker.push(self.model_wrapped, step, p.weight_sync_timeout)
             self.worker.submit(self._job(index, prompt_ids, step))
             result = self.worker.take(index, p.request_timeout)
         waited = time.perf_counter() - start
