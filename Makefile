@@ -42,13 +42,13 @@ test-vllm:
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pytest -q tests/test_vllm_*.py
 
-# Parity with TRL 1.16 (tests/test_parity_trl.py): TRL lives in its own venv, never in the main one.
+# Parity with TRL 1.16 (tests/test_parity_trl*.py): TRL lives in its own venv, never in the main one.
 TRL_VENV ?= .venv-trl
 test-parity:
 	python3 -m venv $(TRL_VENV)
 	$(TRL_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
 	$(TRL_VENV)/bin/python -m pip install -q "trl==1.16.0" -e ".[dev]"
-	$(TRL_VENV)/bin/pytest -q tests/test_parity_trl.py
+	$(TRL_VENV)/bin/pytest -q tests/test_parity_trl*.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
