@@ -255,6 +255,31 @@ def test_tool_arguments_are_checked_before_any_model_loads():
                           tools=[calculator])
 
 
+@pytest.mark.slow  # about 100 s: a 150-step SFT (cached afterwards) and 24 GRPO steps
+def test_grpo_raises_the_rate_of_correct_tool_answers():
+    """The tiny model taught both to call the calculator and to answer directly (wrongly) learns, from
+    the reward of a right answer read off the tool's result, to call the tool: measured on this
+    machine the right-answer rate rose from 0.28 (first 6 steps) to 0.42 (last 6), tool calls per
+    episode from 0.31 (step 1) to about 0.65."""
+    torch.set_num_threads(1)
+    path = tool_model_path(mixed=True)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+    def right(completions, **kwargs):
+        return [float(any(m["role"] == "tool" and m["content"] == ANSWER for m in c) and ANSWER in c[-1]["content"])
+                for c in completions]
+
+    args = plait.GRPOConfig(**config(per_device_train_batch_size=16, max_steps=24, temperature=1.0, beta=0.0))
+    trainer = plait.GRPOTrainer(model, reward_funcs=right, args=args, processing_class=tokenizer, tools=[calculator],
+                                train_dataset=[{"prompt": [{"role": "user", "content": QUESTION}]}] * 16)
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    calls = [h["episodes/tool_calls"] for h in trainer.state.log_history if "reward" in h]
+    assert len(rewards) == 24
+    assert sum(rewards[-6:]) / 6 > sum(rewards[:6]) / 6 + 0.08
+    assert sum(calls[-6:]) / 6 > calls[0] + 0.2
+
+
 @pytest.mark.slow  # a subprocess: the console script imports everything afresh (about a minute on a busy machine)
 def test_the_tools_recipe_runs_through_the_plait_command(tmp_path):
     done = subprocess.run(

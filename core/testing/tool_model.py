@@ -5,6 +5,11 @@ conversation (:data:`TOOL_CONVERSATION`): asked :data:`QUESTION`, call the calcu
 ``<tool_call>{json}</tool_call>`` format, read its result and answer. Sampled at a low temperature
 it then calls the tool, so tests see real tool calls parsed, run and inserted. Built once per
 cache, atomically, like the tiny model (about 10 s on one thread).
+
+``tool_model_path(mixed=True)`` is taught both answers for 150 steps: the tool conversation and a
+direct, wrong one (:data:`DIRECT_CONVERSATION`). Sampled at temperature 1 it calls the tool in
+about a third of its episodes and answers right in about as many: a policy that can use the tool
+and is not yet sure to, which a tool-use learning test needs.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ TOOL_CONVERSATION = [{"role": "user", "content": QUESTION},
                      {"role": "assistant", "content": "", "tool_calls": [CALL]},
                      {"role": "tool", "name": "calculator", "content": ANSWER},
                      {"role": "assistant", "content": f"The answer is {ANSWER}"}]
+DIRECT_CONVERSATION = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "The answer is 9"}]
 
 
 def build_tool_model(directory, *, steps: int = 60, seed: int = 0, conversations=(TOOL_CONVERSATION,)) -> pathlib.Path:
@@ -69,6 +75,10 @@ def _train(model, ids, attention, labels, steps: int, seed: int) -> None:
             optimizer.zero_grad()
 
 
-def tool_model_path() -> pathlib.Path:
-    """The cached tool-taught tiny model, built on first use (atomic, process-safe)."""
+def tool_model_path(mixed: bool = False) -> pathlib.Path:
+    """The cached tool-taught tiny model (``mixed``: also taught to answer directly), built on first use
+    (atomic, process-safe)."""
+    if mixed:
+        return cached_build(f"tiny-tool-model-{BUILDER_VERSION}-{VERSION}-mixed", lambda folder: build_tool_model(
+            folder, steps=150, conversations=(TOOL_CONVERSATION, DIRECT_CONVERSATION)))
     return cached_build(f"tiny-tool-model-{BUILDER_VERSION}-{VERSION}", build_tool_model)
