@@ -50,6 +50,15 @@ def test_the_arithmetic_environment_runs_tools_and_rewards_the_kth_right_attempt
     assert correct_answer([[{"role": "assistant", "content": "7"}], "it is 9"], [7, 7]) == [1.0, 0.0]
 
 
+def test_the_python_environment_runs_code_in_a_sandbox_and_reports_its_errors():
+    component = make_plugins().environments.get("env.python")
+    env = component.obj(component.make_params(timeout=2.0, memory_mb=128))
+    step = env.step("", [ToolCall("run_python", {"code": "print(2 + 2)"}), ToolCall("run_python", {"code": "1 / 0"}),
+                         ToolCall("run_python", {"code": "while True: pass"})])
+    assert [m["content"] for m in step.messages[:2]] == ["4\n", "error: RuntimeError: ZeroDivisionError: division by zero"]
+    assert "did not finish within 2.0 s" in step.messages[2]["content"] and (step.calls, step.failures) == (3, 2)
+
+
 def test_check_environment_passes_built_ins_and_an_environment_only_the_turn_limit_ends(tool_model):
     model, tokenizer = tool_model
     kwargs = dict(model=model, processing_class=tokenizer, temperature=0.5, max_completion_length=96)

@@ -191,7 +191,7 @@ def test_the_example_passes_its_own_test_suite(example_installed):
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLE / "tests")],
                             capture_output=True, text=True, cwd=EXAMPLE)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert re.search(r"\b7 passed\b", result.stdout), result.stdout
+    assert re.search(r"\b8 passed\b", result.stdout), result.stdout  # 7 + the guess_number environment contract
 
 
 # ---------------------------------------------------------------------------------------------
