@@ -22,9 +22,11 @@ QUESTION_ROW = {"prompt": [{"role": "user", "content": QUESTION}], "answer": 7}
 
 @pytest.fixture(scope="module")
 def tool_model():
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model runs several times faster on one thread of a busy machine
     path = tool_model_path()
-    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    yield AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    torch.set_num_threads(threads)  # later test modules run as they would alone
 
 
 def config(**overrides):

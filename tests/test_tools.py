@@ -170,9 +170,11 @@ def recorded(completions, **kwargs):
 
 @pytest.fixture(scope="module")
 def tool_model():
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model runs several times faster on one thread of a busy machine
     path = tool_model_path()
-    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    yield AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    torch.set_num_threads(threads)  # later test modules run as they would alone
 
 
 @pytest.fixture(scope="module")
@@ -256,12 +258,11 @@ def test_tool_arguments_are_checked_before_any_model_loads():
 
 
 @pytest.mark.slow  # about 100 s: a 150-step SFT (cached afterwards) and 24 GRPO steps
-def test_grpo_raises_the_rate_of_correct_tool_answers():
+def test_grpo_raises_the_rate_of_correct_tool_answers(tool_model):  # the fixture: one thread, as measured
     """The tiny model taught both to call the calculator and to answer directly (wrongly) learns, from
     the reward of a right answer read off the tool's result, to call the tool: measured on this
     machine the right-answer rate rose from 0.28 (first 6 steps) to 0.42 (last 6), tool calls per
     episode from 0.31 (step 1) to about 0.65."""
-    torch.set_num_threads(1)
     path = tool_model_path(mixed=True)
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
 
