@@ -284,7 +284,7 @@ def test_grpo_raises_the_rate_of_correct_tool_answers(tool_model):  # the fixtur
 @pytest.mark.slow  # a subprocess: the console script imports everything afresh (about a minute on a busy machine)
 def test_the_tools_recipe_runs_through_the_plait_command(tmp_path):
     done = subprocess.run(
-        [str(Path(sys.executable).parent / "plait"), "grpo", "--config", str(ROOT / "examples/recipes/grpo_tools_tiny.yaml"),
+        [str(Path(sys.executable).parent / "plait"), "grpo", "--config", str(ROOT / "examples/recipes/grpo_tools-tiny.yaml"),
          "--model", str(tiny_model_path()), "--output_dir", str(tmp_path / "out"), "--max_steps", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
