@@ -74,7 +74,7 @@ print("RESULT " + json.dumps(out))
 def main() -> None:
     model = os.path.expanduser(os.environ.get("PLAIT_BENCH_MODEL", "tiny"))
     tiny = model == "tiny"
-    steps, length, rounds = (16, 8, 1) if tiny else (6, 32, 1)
+    steps, length, rounds = (16, 8, 2) if tiny else (6, 32, 1)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     runs = []
     for _ in range(rounds):
