@@ -130,12 +130,14 @@ def parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
 
 
 def template_parser(tokenizer) -> Callable[[str], tuple[str, list[ToolCall]]] | None:
-    """The tokenizer's own response parser (``parse_response``) when its template defines one."""
-    if not (getattr(tokenizer, "response_template", None) or getattr(tokenizer, "response_schema", None)):
+    """The tokenizer's own response parser (``parse_response`` with its ``response_template``) when it has one.
+    A model turn is parsed as sampled (``prefix=""``): what a template pre-writes before it (an opening
+    ``<think>``) is not seen by the parser."""
+    if getattr(tokenizer, "response_template", None) is None:
         return None
 
     def parse(text: str) -> tuple[str, list[ToolCall]]:
-        parsed = tokenizer.parse_response(text)
+        parsed = tokenizer.parse_response(text, prefix="")
         calls = []
         for call in parsed.get("tool_calls") or []:
             function = call.get("function", call)
