@@ -42,7 +42,7 @@ class Command:
 LIST_KINDS = {
     "methods": "methods", "losses": "losses", "rewards": "rewards", "advantages": "advantage_estimators",
     "backends": "generation_backends", "formats": "data_formats", "collators": "collators",
-    "packing": "packing_strategies", "judges": "judges", "commands": "commands",
+    "packing": "packing_strategies", "judges": "judges", "environments": "environments", "commands": "commands",
 }
 
 

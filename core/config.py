@@ -134,6 +134,18 @@ class ModelLoading:
     activation_offloading: bool = False
 
 
+def _serialisable(value: Any) -> Any:
+    """A config value as the logs, model cards and JSON see it: functions and classes given in Python
+    (GRPO's tools, a reward function) by their import path ``module:name``, as a recipe names them."""
+    if isinstance(value, (list, tuple)):
+        return [_serialisable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _serialisable(v) for k, v in value.items()}
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{value.__module__}:{value.__qualname__}"
+    return value
+
+
 def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[str, Any] = {}, module: str | None = None) -> type:
     """Return the dataclass ``name``: every TrainingArguments field, ``defaults`` overriding its
     defaults, plus the fields of the attrs class ``params`` (validated in ``__post_init__``).
@@ -184,8 +196,11 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
         TrainingArguments.__post_init__(self)
         self.resume_from_checkpoint = preflight.resume_checkpoint(self.resume_from_checkpoint, self.output_dir)
 
+    def to_dict(self) -> dict[str, Any]:
+        return {key: _serialisable(value) for key, value in TrainingArguments.to_dict(self).items()}
+
     cls = dataclasses.make_dataclass(
-        name, fields, bases=(TrainingArguments,), namespace={"__post_init__": __post_init__}
+        name, fields, bases=(TrainingArguments,), namespace={"__post_init__": __post_init__, "to_dict": to_dict}
     )
     cls.__doc__ = doc or params.__doc__
     # so checkpoints (training_args.bin) unpickle: point at the defining module

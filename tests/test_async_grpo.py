@@ -129,6 +129,20 @@ def test_bad_pipeline_settings_fail_before_the_model_loads(overrides, message):
         plait.AsyncGRPOTrainer(MISSING, reward_funcs=low_tokens, args=config(**overrides), train_dataset=PROMPTS)
 
 
+def test_tools_are_refused_before_the_model_loads():
+    def add(a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        return a + b
+
+    with pytest.raises(PlaitError, match="tools, environment and rollout_func .* are not supported; use GRPOTrainer"):
+        plait.AsyncGRPOTrainer(MISSING, reward_funcs=low_tokens, args=config(), train_dataset=PROMPTS, tools=[add])
+
+
 def test_due_steps_and_requests_ahead_follow_the_batch_arithmetic():
     t = trainer(steps_per_generation=2, gradient_accumulation_steps=1, per_device_train_batch_size=4,
                 num_iterations=2)  # one generation batch = 2 micro-batches × 2 passes = 4 optimizer steps

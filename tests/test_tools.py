@@ -290,3 +290,24 @@ def test_the_tools_recipe_runs_through_the_plait_command(tmp_path):
         env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "episodes/tool_calls" in done.stdout + done.stderr
+
+
+def test_a_config_holding_functions_serialises_them_by_import_path(tmp_path):
+    import json
+
+    from plait.plugins.methods.grpo import GRPOConfig
+
+    def add(a: int, b: int) -> int:
+        """Add two numbers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        return a + b
+
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none", tools=[add], reward_funcs=[add])
+    saved = json.loads(args.to_json_string())
+    path = f"{__name__}:test_a_config_holding_functions_serialises_them_by_import_path.<locals>.add"
+    assert saved["tools"] == [path] and saved["reward_funcs"] == [path]
+    assert args.params.tools == [add]  # the trainer still gets the functions

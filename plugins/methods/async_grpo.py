@@ -428,6 +428,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def validate(self, args) -> None:
         super().validate(args)
+        if self.agent is not None:  # the worker samples single turns; continuing an episode needs the live policy
+            raise PlaitError("AsyncGRPOTrainer samples one turn per completion in its rollout worker, so tools, "
+                             "environment and rollout_func (multi-turn episodes) are not supported; use GRPOTrainer")
         if args.world_size > 1:
             raise PlaitError(f"AsyncGRPOTrainer runs on one training process (this run has {args.world_size}); "
                              "launch one process, or use GRPOTrainer for data-parallel training")
