@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from plait import PlaitError  # noqa: E402
 from plait.plugins.methods import dpo as plait_dpo, grpo as plait_grpo, kto as plait_kto  # noqa: E402
 from plait.plugins.methods import reward_model as plait_rm  # noqa: E402
-from plait.testing.tiny_model import tiny_model_path  # noqa: E402
+from plait.testing.tiny_model import noisy_tiny_model, tiny_model_path  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not trl.__version__.startswith("1.16."), reason="parity is pinned to TRL 1.16")
 
@@ -46,14 +46,9 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def policy(reference):
+def policy():
     """The reference with noise on every weight: log-ratios of a few nats, so every term matters."""
-    model = copy.deepcopy(reference)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
-    return model
+    return noisy_tiny_model(seed=0, scale=0.05)
 
 
 def right_padded(lengths: list[tuple[int, int]], width: int, seed: int) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from plait.online import pack  # noqa: E402
 from plait.plugins.methods import gkd as plait_gkd  # noqa: E402
-from plait.testing.tiny_model import tiny_model_path  # noqa: E402
+from plait.testing.tiny_model import noisy_tiny_model, tiny_model_path  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not trl.__version__.startswith("1.16."), reason="parity is pinned to TRL 1.16")
 
@@ -44,13 +44,8 @@ def teacher():
 
 
 @pytest.fixture(scope="module")
-def student(teacher):
-    model = copy.deepcopy(teacher)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
-    return model
+def student():
+    return noisy_tiny_model(seed=0, scale=0.05)
 
 
 def common_args(tmp_path) -> dict:

@@ -24,7 +24,7 @@ import plait  # noqa: E402
 from plait import hookimpl  # noqa: E402
 from plait.generation import GenerationBackend, Generations  # noqa: E402
 from plait.manager import make_plugins  # noqa: E402
-from plait.testing.tiny_model import tiny_model_path  # noqa: E402
+from plait.testing.tiny_model import noisy_tiny_model, tiny_model_path  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not trl.__version__.startswith("1.16."), reason="parity is pinned to TRL 1.16")
 
@@ -54,13 +54,8 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def policy(reference):
-    model = copy.deepcopy(reference)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
-    return model
+def policy():
+    return noisy_tiny_model(seed=0, scale=0.05)
 
 
 def completion_ids(tokenizer, text: str, eos: bool, width: int = WIDTH) -> list[int]:

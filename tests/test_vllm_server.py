@@ -5,6 +5,7 @@ messages, token refusal, and weight sync over the gloo side channel matching the
 a real optimizer step. Skipped where vLLM is not installed.
 """
 
+import contextlib
 import json
 import os
 import socket
@@ -38,12 +39,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextlib.contextmanager
+def serving(model_path, log_dir, max_model_len: int = 256):
+    """A float32 `plait vllm-serve` of ``model_path`` on a free loopback port, with the test token."""
     port = free_port()
-    log = tmp_path_factory.mktemp("vllm-serve") / "server.log"
-    command = [sys.executable, "-m", "plait.cli", "vllm-serve", "--model", str(tiny_model_path()), "--port", str(port),
-               "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 * 2**20),
+    log = log_dir / "server.log"
+    command = [sys.executable, "-m", "plait.cli", "vllm-serve", "--model", str(model_path), "--port", str(port),
+               "--dtype", "float32", "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(64 * 2**20),
                "--token", TOKEN]
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -64,6 +66,12 @@ def server(tmp_path_factory):
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with serving(tiny_model_path(), tmp_path_factory.mktemp("vllm-serve")) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
