@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+from pathlib import Path
 
 import attrs
 import pytest
@@ -25,12 +26,30 @@ from plait.testing import (
     preference_logps, rollouts, take, token_logps, unpaired_logps,
 )
 from plait.testing.contracts import CHECKS
+from plait.testing.tiny_model import tiny_model_path
 
-KIND_OF = {"losses": "loss", "rewards": "reward", "advantage_estimators": "advantage estimator"}
+KIND_OF = {"losses": "loss", "rewards": "reward", "advantage_estimators": "advantage estimator",
+           "environments": "environment"}
 
 
 def builtins(registry: str) -> list[str]:
-    return [c.name for c in make_plugins().registries[registry] if c.distribution == "plait"]
+    """plait's own components of a registry (tool-call parsers share the environments' registry: not episodes)."""
+    return [c.name for c in make_plugins().registries[registry]
+            if c.distribution == "plait" and not c.name.startswith("env.parser.")]
+
+
+def tiny_prm_folder(root: Path) -> str:
+    """An untrained process reward model (the tiny model with a two-label token head): what reward.prm loads."""
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    folder = root / "prm"
+    AutoModelForTokenClassification.from_pretrained(tiny_model_path(), num_labels=2).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model_path()).save_pretrained(folder)
+    return str(folder)
+
+
+# Built-ins that need a real artifact to build: their parameters for the check.
+ARTIFACTS = {"reward.prm": lambda root: {"model": tiny_prm_folder(root)}}
 
 
 def _reference_detached_by_batches() -> bool:
@@ -41,11 +60,12 @@ def _reference_detached_by_batches() -> bool:
 
 
 @pytest.mark.parametrize("registry, name", [(r, n) for r in KIND_OF for n in builtins(r)])
-def test_every_builtin_satisfies_its_contract(registry, name):
+def test_every_builtin_satisfies_its_contract(registry, name, tmp_path):
     plugins = make_plugins()
     component = plugins.registries[registry].get(name)
+    params = {"params": ARTIFACTS[name](tmp_path)} if name in ARTIFACTS else {}
     try:
-        checked = check_component(component, plugins)
+        checked = check_component(component, plugins, **params)
     except ContractViolation as violation:
         if violation.property == "builds from its parameters" and "not installed" in str(violation.__cause__):
             pytest.skip(str(violation.__cause__))  # an optional extra (math-verify) is missing here

@@ -744,9 +744,13 @@ def check_environment(component: Any, rows: Sequence[dict] | None = None, plugin
             "reward is None or finite"]
 
 
+def _check_environment_component(component: Component, plugins: Plugins | None = None, **kwargs: Any) -> list[str]:
+    return check_environment(component, plugins=plugins, **kwargs)  # its second positional parameter is rows
+
+
 CHECKS: dict[str, Callable[..., list[str]]] = {
     "loss": check_loss, "reward": check_reward, "advantage estimator": check_advantage_estimator,
-    "environment": check_environment,
+    "environment": _check_environment_component,
 }
 
 
