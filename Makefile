@@ -28,7 +28,7 @@ $(VENV)/.demo-model: $(VENV)/.installed
 
 # One torch thread per test process: the suite runs tiny models and several multi-process runs on
 # 2 cores, where contended threads cost more than they give (measured ~8% faster single-process).
-test test-fast: export OMP_NUM_THREADS = 1
+test test-fast test-parity: export OMP_NUM_THREADS = 1
 
 test: setup
 	$(VENV)/bin/pytest -q
