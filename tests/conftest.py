@@ -20,3 +20,20 @@ def _no_plait_switches(monkeypatch):
     """Each test sees the plugin switches unset unless it sets them itself (with monkeypatch)."""
     for name in PLAIT_SWITCHES:
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def tool_model():
+    """The tiny model taught the calculator's call format (plait.testing.tool_model), with its
+    tokenizer; one torch thread while the module runs (several times faster on a busy machine),
+    restored after it so later modules run as they would alone."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from plait.testing.tool_model import tool_model_path
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    path = tool_model_path()
+    yield AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    torch.set_num_threads(threads)

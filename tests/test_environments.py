@@ -5,8 +5,6 @@ transformers backend on the tiny model taught the calculator's call format."""
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import plait
 from plait.errors import PlaitError
@@ -14,19 +12,10 @@ from plait.manager import make_plugins
 from plait.plugins.environments.arithmetic import ArithmeticEnvironment, ArithmeticParams, correct_answer
 from plait.rollouts import Environment, Step
 from plait.testing import ContractViolation, check_environment
-from plait.testing.tool_model import QUESTION, tool_model_path
+from plait.testing.tool_model import QUESTION
 from plait.tools import ToolCall
 
 QUESTION_ROW = {"prompt": [{"role": "user", "content": QUESTION}], "answer": 7}
-
-
-@pytest.fixture(scope="module")
-def tool_model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model runs several times faster on one thread of a busy machine
-    path = tool_model_path()
-    yield AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
-    torch.set_num_threads(threads)  # later test modules run as they would alone
 
 
 def config(**overrides):

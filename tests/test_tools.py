@@ -169,15 +169,6 @@ def recorded(completions, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def tool_model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model runs several times faster on one thread of a busy machine
-    path = tool_model_path()
-    yield AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
-    torch.set_num_threads(threads)  # later test modules run as they would alone
-
-
-@pytest.fixture(scope="module")
 def grpo_rollout(tool_model):
     model, tokenizer = tool_model
     SEEN.clear()
