@@ -43,8 +43,11 @@ def is_conversational(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(m, Mapping) and "role" in m for m in value)
 
 
-def check_messages(messages: Sequence[Mapping[str, Any]], column: str) -> list[dict]:
-    """Validate messages and return clean copies (keys that Arrow filled with None removed)."""
+def check_messages(messages: Sequence[Mapping[str, Any]], column: str, *, parts: bool = False) -> list[dict]:
+    """Validate messages and return clean copies (keys that Arrow filled with None removed).
+
+    With ``parts`` (image-bearing data for a vision-language model) a content may also be a list of
+    ``{"type": "image"}`` / ``{"type": "text", "text": ...}`` parts."""
     clean = []
     for position, message in enumerate(messages):
         role = message.get("role")
@@ -57,13 +60,44 @@ def check_messages(messages: Sequence[Mapping[str, Any]], column: str) -> list[d
                 f"column {column!r} message {position} ({role}) has content None; give it a string "
                 "(only assistant messages with tool_calls may omit content)"
             )
-        if content is not None and not isinstance(content, str):
+        if parts and isinstance(content, (list, tuple)):
+            content = check_parts(content, column, position, role)
+            message = {**message, "content": content}
+        elif content is not None and not isinstance(content, str):
             raise PlaitError(
                 f"column {column!r} message {position} ({role}) has non-string content of type "
                 f"{type(content).__name__}; plait's text methods need 'content' to be a string"
+                + ("; content parts are for vision-language data: add an 'images' column holding the row's images"
+                   if isinstance(content, (list, tuple)) else "")
             )
         clean.append({k: v for k, v in message.items() if v is not None or k == "content"})
     return clean
+
+
+def check_parts(content: Sequence[Any], column: str, position: int, role: str) -> list[dict]:
+    """A message's content parts, each ``{"type": "image"}`` or ``{"type": "text", "text": str}``
+    (Arrow's None-filled keys removed)."""
+    clean = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            clean.append({"type": "text", "text": part["text"]})
+        elif kind == "image" and all(part.get(k) is None for k in ("image", "url", "path")):
+            clean.append({"type": "image"})
+        elif kind == "image":
+            raise PlaitError(f"column {column!r} message {position} ({role}) has an image inside its content part; put the "
+                             "row's images in an 'images' column, in order, and leave {'type': 'image'} in the message")
+        else:
+            raise PlaitError(f"column {column!r} message {position} ({role}) has a content part {part!r}; parts must be "
+                             "{'type': 'image'} or {'type': 'text', 'text': str}")
+    return clean
+
+
+def text_of(content: Any, image: str = "") -> str:
+    """The text of a message content: the string, or its parts joined (each image part as ``image``)."""
+    if isinstance(content, str) or content is None:
+        return content or ""
+    return "".join((p.get("text") or "") if p.get("type") == "text" else image for p in content if isinstance(p, Mapping))
 
 
 # -- templates ---------------------------------------------------------------------------------
@@ -136,7 +170,12 @@ def render_prompt(processing_class: Any, prompt: Sequence[Mapping[str, Any]], *,
                   continue_final_message=continued, template_kwargs=template_kwargs)
 
 
-def encode(processing_class: Any, text: str, *, special_tokens: bool) -> list[int]:
+def encode(processing_class: Any, text: str, *, special_tokens: bool, images: Sequence | None = None) -> list[int]:
+    """Token ids of ``text``; with ``images``, their placeholders expanded by the processor (:mod:`plait.vision`)."""
+    if images:
+        from . import vision
+
+        return vision.encode(processing_class, text, images, special_tokens=special_tokens)
     return list(tokenizer_of(processing_class)(text, add_special_tokens=special_tokens)["input_ids"])
 
 
@@ -159,7 +198,8 @@ def join(prompt: list[dict], completion: list[dict]) -> list[dict]:
     return [*prompt, *completion]
 
 
-def encode_prompt_completion(processing_class: Any, prompt: Any, completion: Any, *, tools: Any = None) -> tuple[list[int], list[int]]:
+def encode_prompt_completion(processing_class: Any, prompt: Any, completion: Any, *, tools: Any = None,
+                             images: Sequence | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the prompt and of the completion, split at their longest common token prefix.
 
     Standard strings are tokenised as they are (with the tokenizer's own special tokens, e.g. a
@@ -168,11 +208,11 @@ def encode_prompt_completion(processing_class: Any, prompt: Any, completion: Any
     if is_conversational(prompt):
         prompt_text = render_prompt(processing_class, prompt, tools=tools)
         full_text = render(processing_class, join(prompt, completion), tools=tools)
-        prompt_ids = encode(processing_class, prompt_text, special_tokens=False)
-        full_ids = encode(processing_class, full_text, special_tokens=False)
+        prompt_ids = encode(processing_class, prompt_text, special_tokens=False, images=images)
+        full_ids = encode(processing_class, full_text, special_tokens=False, images=images)
     else:
-        prompt_ids = encode(processing_class, prompt, special_tokens=True)
-        full_ids = encode(processing_class, prompt + completion, special_tokens=True)
+        prompt_ids = encode(processing_class, prompt, special_tokens=True, images=images)
+        full_ids = encode(processing_class, prompt + completion, special_tokens=True, images=images)
     k = common_prefix_length(prompt_ids, full_ids)
     return full_ids[:k], full_ids[k:]
 
@@ -230,18 +270,27 @@ def _not_prefix_preserving(n: int, *, generation_prompt: bool = False, content: 
     )
 
 
-def encode_with_assistant_mask(processing_class: Any, messages: list[dict], *, tools: Any = None) -> tuple[list[int], list[int]]:
+def encode_with_assistant_mask(processing_class: Any, messages: list[dict], *, tools: Any = None,
+                               images: Sequence | None = None) -> tuple[list[int], list[int]]:
     """Token ids of a conversation and a 0/1 mask of its assistant tokens.
 
     Uses the template's ``{% generation %}`` markers when present, else :func:`assistant_spans`.
+    With ``images`` the ids are the processor's expansion and image tokens are masked out.
     """
     tokenizer = tokenizer_of(processing_class)
     if has_generation_markers(tokenizer):
         out = tokenizer.apply_chat_template(
             messages, tools=tools or None, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
-        return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
-    return derived_assistant_mask(tokenizer, messages, tools=tools)
+        ids, mask = list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
+    else:
+        ids, mask = derived_assistant_mask(tokenizer, messages, tools=tools)
+    if not images:
+        return ids, mask
+    from . import vision
+
+    expanded = vision.encode(processing_class, render(processing_class, messages, tools=tools), images, special_tokens=False)
+    return expanded, vision.carry_mask(ids, expanded, mask)
 
 
 def derived_assistant_mask(processing_class: Any, messages: list[dict], *, tools: Any = None) -> tuple[list[int], list[int]]:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import attrs
 
-from . import chat
+from . import chat, vision
 from .errors import PlaitError
 
 logger = logging.getLogger("plait")
@@ -76,6 +76,9 @@ class DataFormat:
     shapes: tuple[tuple[str, ...], ...] = attrs.field(converter=lambda s: tuple(tuple(x) for x in s))
     convert: Callable[[dict], dict] | None = None
     doc: str = ""
+    # rows carry images (an ``images`` field of PIL images) for a vision-language model's processor;
+    # message contents may then be lists of {"type": "image"} / {"type": "text"} parts
+    multimodal: bool = False
 
     def matching_shapes(self, columns: Iterable[str]) -> list[tuple[str, ...]]:
         present = set(columns)
@@ -97,10 +100,10 @@ class DataFormat:
             raise PlaitError(f"{self.name} produced no {missing[0]!r} field; its convert() must return {list(KINDS[self.kind])}")
         canonical = {k: v for k, v in example.items() if k not in consumed}
         canonical.update(fields)
-        return validate_canonical(canonical, self.kind)
+        return validate_canonical(canonical, self.kind, parts=self.multimodal)
 
 
-def validate_canonical(example: dict, kind: str) -> dict:
+def validate_canonical(example: dict, kind: str, *, parts: bool = False) -> dict:
     """Check one canonical row (types, None, emptiness, one variant); return it with clean messages."""
     variants = set()
     for field in KINDS[kind]:
@@ -118,7 +121,7 @@ def validate_canonical(example: dict, kind: str) -> dict:
             variants.add("standard")
         elif chat.is_conversational(value):
             variants.add("conversational")
-            example[field] = chat.check_messages(value, field)
+            example[field] = chat.check_messages(value, field, parts=parts)
         else:
             raise PlaitError(
                 f"column {field!r} holds {type(value).__name__}; it must be a string or a list of "
@@ -249,8 +252,9 @@ class Encoder:
     def with_eos(self, ids: list[int]) -> list[int]:
         return ids if ids[-1:] == self.eos else ids + self.eos
 
-    def pair(self, prompt: Any, completion: Any, tools: Any) -> tuple[list[int], list[int]]:
-        prompt_ids, completion_ids = chat.encode_prompt_completion(self.processing_class, prompt, completion, tools=tools)
+    def pair(self, prompt: Any, completion: Any, tools: Any, images: Any = None) -> tuple[list[int], list[int]]:
+        prompt_ids, completion_ids = chat.encode_prompt_completion(self.processing_class, prompt, completion, tools=tools,
+                                                                   images=images)
         if not chat.is_conversational(prompt):
             completion_ids = self.with_eos(completion_ids)
         return prompt_ids, completion_ids
@@ -326,15 +330,16 @@ def _completion_untrained(enc: Encoder, side: str, prompt: list[int], before: in
 
 
 def _encode_language_modeling(row: dict, enc: Encoder, kind: str) -> Encoded:
-    tools = row.get("tools")
+    tools, images = row.get("tools"), row.get("images")
     if kind == "prompt_completion":
         prompt, completion = row["prompt"], row["completion"]
-        prompt_ids, completion_ids = enc.pair(prompt, completion, tools)
+        prompt_ids, completion_ids = enc.pair(prompt, completion, tools, images)
         ids = prompt_ids + completion_ids
         completion_only = True if enc.completion_only_loss is None else enc.completion_only_loss
         mask = [int(not completion_only)] * len(prompt_ids) + [1] * len(completion_ids)
         if enc.assistant_only_loss:
-            full_ids, assistant = chat.encode_with_assistant_mask(enc.processing_class, chat.join(prompt, completion), tools=tools)
+            full_ids, assistant = chat.encode_with_assistant_mask(enc.processing_class, chat.join(prompt, completion),
+                                                                  tools=tools, images=images)
             if full_ids != ids:
                 raise PlaitError("assistant_only_loss: the template renders the conversation differently from prompt + completion; set assistant_only_loss=False")
             mask = [m & a for m, a in zip(mask, assistant)]
@@ -349,12 +354,13 @@ def _encode_language_modeling(row: dict, enc: Encoder, kind: str) -> Encoded:
     text = row["text"]
     if chat.is_conversational(text):
         if enc.assistant_only_loss:
-            ids, mask = chat.encode_with_assistant_mask(enc.processing_class, text, tools=tools)
+            ids, mask = chat.encode_with_assistant_mask(enc.processing_class, text, tools=tools, images=images)
         else:
-            ids = chat.encode(enc.processing_class, chat.render(enc.processing_class, text, tools=tools), special_tokens=False)
+            ids = chat.encode(enc.processing_class, chat.render(enc.processing_class, text, tools=tools),
+                              special_tokens=False, images=images)
             mask = [1] * len(ids)
     else:
-        ids = enc.with_eos(chat.encode(enc.processing_class, text, special_tokens=True))
+        ids = enc.with_eos(chat.encode(enc.processing_class, text, special_tokens=True, images=images))
         mask = [1] * len(ids)
     _, (window,), _ = enc.fit(0, [len(ids)])
     tokens = {"input_ids": ids[window], "completion_mask": mask[window]}
@@ -377,8 +383,8 @@ def _lm_untrained(enc: Encoder, mask: list[int], kept: list[int], value: Any) ->
 
 def _encode_preference(row: dict, enc: Encoder, kind: str) -> Encoded:
     tools = row.get("tools")
-    prompt_c, chosen = enc.pair(row["prompt"], row["chosen"], tools)
-    prompt_r, rejected = enc.pair(row["prompt"], row["rejected"], tools)
+    prompt_c, chosen = enc.pair(row["prompt"], row["chosen"], tools, row.get("images"))
+    prompt_r, rejected = enc.pair(row["prompt"], row["rejected"], tools, row.get("images"))
     # Both boundaries are prefixes of the same rendered prompt: share the shorter one.
     n = min(len(prompt_c), len(prompt_r))
     prompt_ids, chosen, rejected = prompt_c[:n], prompt_c[n:] + chosen, prompt_r[n:] + rejected
@@ -395,7 +401,7 @@ def _encode_preference(row: dict, enc: Encoder, kind: str) -> Encoded:
 
 
 def _encode_unpaired(row: dict, enc: Encoder, kind: str) -> Encoded:
-    prompt_ids, completion_ids = enc.pair(row["prompt"], row["completion"], row.get("tools"))
+    prompt_ids, completion_ids = enc.pair(row["prompt"], row["completion"], row.get("tools"), row.get("images"))
     p, (c,), overlong = enc.fit(len(prompt_ids), [len(completion_ids)])
     out = {"prompt_ids": prompt_ids[p], "completion_ids": completion_ids[c], "label": row["label"]}
     why, detail = _completion_untrained(enc, "completion", out["prompt_ids"], len(completion_ids),
@@ -409,9 +415,9 @@ def _encode_prompt_only(row: dict, enc: Encoder, kind: str) -> Encoded:
     if chat.is_conversational(prompt):
         text = chat.render_prompt(enc.processing_class, prompt, tools=row.get("tools"),
                                   template_kwargs=enc.chat_template_kwargs)
-        ids = chat.encode(enc.processing_class, text, special_tokens=False)
+        ids = chat.encode(enc.processing_class, text, special_tokens=False, images=row.get("images"))
     else:
-        ids = chat.encode(enc.processing_class, prompt, special_tokens=True)
+        ids = chat.encode(enc.processing_class, prompt, special_tokens=True, images=row.get("images"))
     overlong = enc.max_length is not None and len(ids) > enc.max_length
     return Encoded({"prompt_ids": ids, "prompt": prompt}, overlong=len(ids) if overlong else 0)
 
@@ -502,6 +508,8 @@ def prepare_dataset(
     if fmt.kind not in spec.accepts:
         raise PlaitError(_wrong_kind(task, spec, component, dataset.column_names, plugins))
 
+    if fmt.multimodal:
+        vision.require_processor(processing_class, component.name)
     first = fmt.to_canonical(dataset[0])
     conversational = is_conversational_example(first, fmt.kind)
     text_fields = [f for f in KINDS[fmt.kind] if f in TEXT_FIELDS]
@@ -529,10 +537,12 @@ def prepare_dataset(
                     encoded = spec.encode(item, encoder, fmt.kind)
                 except PlaitError as err:
                     raise PlaitError(f"dataset row {index}: {err}") from None
+                cut = vision.mask_and_count(processing_class, encoded.tokens, item.get("images")) if fmt.multimodal else 0
                 extras = {k: v for k, v in item.items() if keep or k not in spec.consumes}
                 record = {**extras, **encoded.tokens, "_plait_row": index, "_plait_removed": encoded.removed,
                           "_plait_overlong": encoded.overlong, "_plait_untrained": encoded.untrained,
-                          "_plait_detail": encoded.detail, "_plait_identical": encoded.identical}
+                          "_plait_detail": encoded.detail, "_plait_identical": encoded.identical,
+                          "_plait_images_cut": cut}
                 for key, value in record.items():
                     out.setdefault(key, []).append(value)
         return out
@@ -587,6 +597,7 @@ def _wrong_kind(task: str, spec: Task, component, columns: list[str], plugins) -
 
 def _apply_row_policies(processed, n_rows: int, max_length: int | None, on_overlong: str, mode: str):
     """Drop (or refuse) overlong examples, drop examples that keep no trained token, report the rest."""
+    processed = _drop_cut_images(processed, max_length, on_overlong)
     overlong = processed["_plait_overlong"]
     bad = [i for i, n in enumerate(overlong) if n]
     if bad:
@@ -620,8 +631,27 @@ def _apply_row_policies(processed, n_rows: int, max_length: int | None, on_overl
             len(identical), len(processed), processed["_plait_row"][identical[0]],
         )
     return processed.remove_columns(
-        ["_plait_row", "_plait_removed", "_plait_overlong", "_plait_untrained", "_plait_detail", "_plait_identical"]
+        ["_plait_row", "_plait_removed", "_plait_overlong", "_plait_untrained", "_plait_detail", "_plait_identical",
+         "_plait_images_cut"]
     )
+
+
+def _drop_cut_images(processed, max_length: int | None, on_overlong: str):
+    """Drop (or refuse) examples whose truncation to ``max_length`` would cut into an image's tokens."""
+    cut = processed["_plait_images_cut"]
+    bad = [i for i, n in enumerate(cut) if n]
+    if not bad:
+        return processed
+    row = processed["_plait_row"][bad[0]]
+    if on_overlong == "error" or len(bad) == len(processed):
+        fix = ", or set on_overlong='drop' to skip such rows" if on_overlong == "error" else " (no row would be left)"
+        raise PlaitError(f"dataset row {row}: max_length={max_length} would cut into its {cut[bad[0]]} image tokens "
+                         f"({len(bad)} of {len(processed)} rows); raise max_length or use smaller images{fix}")
+    logger.warning("plait: dropped %d of %d examples whose truncation to max_length=%s would cut an image's tokens "
+                   "(e.g. dataset row %d); raise max_length or use smaller images to keep them",
+                   len(bad), len(processed), max_length, row)
+    bad_set = set(bad)
+    return processed.select([i for i in range(len(processed)) if i not in bad_set])
 
 
 def _drop_untrained(processed):

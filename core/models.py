@@ -18,7 +18,7 @@ import torch
 from accelerate.utils import is_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, TrainerCallback
 
-from . import chat, preflight
+from . import chat, preflight, vision
 from .errors import PlaitError
 from .params import in_range, positive
 
@@ -59,6 +59,8 @@ def load_model(model: str | PreTrainedModel, init_kwargs: dict | None = None, au
     dtype = kwargs.get("dtype", kwargs.pop("torch_dtype", None))
     if isinstance(dtype, str) and dtype != "auto":
         kwargs["dtype"] = getattr(torch, dtype)
+    if auto_class is AutoModelForCausalLM and vision.vision_language_source(model):
+        from transformers import AutoModelForImageTextToText as auto_class  # a VLM: its causal LM with a vision tower
     try:
         return auto_class.from_pretrained(model, **kwargs)
     except OSError as err:
@@ -77,7 +79,10 @@ def load_tokenizer(model: str | PreTrainedModel, processing_class=None, field: s
         preflight.model_source(model, field)  # a bad path is named as such, not as a tokenizer problem
         preflight.tokenizer_files(source, field)
         try:
-            processing_class = AutoTokenizer.from_pretrained(source, **pretrained_kwargs())
+            auto = AutoTokenizer
+            if vision.vision_language_source(source):  # a VLM's processing class is its processor
+                from transformers import AutoProcessor as auto
+            processing_class = auto.from_pretrained(source, **pretrained_kwargs())
         except Exception as err:  # noqa: BLE001 - OSError, ValueError, TypeError, tokenizers' own: all mean "cannot load"
             message = str(err).strip().splitlines()[0] if str(err).strip() else ""
             raise PlaitError(f"{field}={source!r}: its tokenizer cannot be loaded ({type(err).__name__}: {message}); "

@@ -34,7 +34,8 @@ from torch import Tensor
 from torch.utils.data import Sampler
 
 from .batches import PolicyTokens, Rollout, gather_ragged, masked_mean
-from .chat import is_conversational
+from . import vision
+from .chat import is_conversational, text_of
 from .errors import PlaitError
 from .generation import GenerationChoice, Generations, padding_multiple, padded_width, resolve_backend
 from .importance_sampling import importance_sampling_metrics, importance_weights
@@ -357,6 +358,7 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
         self._reward_specs = reward_funcs
         self._reward_processing_classes = reward_processing_classes
         self._agent_args = {"tools": tools, "rollout_func": rollout_func, "environment_factory": environment_factory}
+        self._images = vision.holds_images(train_dataset)
         super().__init__(model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, peft_config=peft_config, callbacks=callbacks,
                          optimizers=optimizers, quantization_config=quantization_config, plugins=plugins)
@@ -396,6 +398,9 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
             raise PlaitError(f"sync_ref_model=True but beta={p.beta} uses no reference model, so there is nothing to "
                              "sync; set sync_ref_model=False or beta > 0")
         self.backend_component = resolve_backend(self.plugins, args)  # unknown names and options fail now
+        if self._images and not self.backend_component.options.get("images"):
+            raise PlaitError(f"the prompts hold images but {self.backend_component.name} cannot pass images to the model; "
+                             "set use_vllm=False to sample with generation.transformers")
         self.reward_funcs = ((self._resolve_rewards(entries) if entries else [])
                              + ([self.agent.reward_function()] if owned else []))
         weights = p.reward_weights if p.reward_weights is None or not owned else [*p.reward_weights, 1.0]
@@ -508,15 +513,18 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
         device = self.accelerator.device
         prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(inputs["input_ids"], inputs["attention_mask"])]
         prompts = inputs["prompt"]
-        columns = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "prompt")}
+        columns = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "prompt", vision.KEY)}
         n, g = len(prompt_ids), self.group_size
+        images = inputs.get(vision.KEY)  # a VLM's per-row image inputs (plait.vision), aligned with the rows
 
         if self.agent is None:
-            generations = self.generate(prompt_ids, g)
+            generations = self.generate(prompt_ids, g, images)
         else:  # tools, an environment or a rollout_func: multi-turn episodes (plait.rollouts)
             generations = self.agent.run(self, prompts, columns, g)
             prompt_ids, columns = generations.prompt_ids, {**columns, **self.agent.columns(generations)}
         batch = pack(prompt_ids, generations.completion_ids, self._pad_id(), device, self.padding_multiple)
+        if images is not None:
+            batch[vision.KEY] = images
         if self.agent is not None:  # inserted tokens leave the completion mask for the tool mask
             Agent.masks(batch, generations)
         completion_mask = batch["completion_mask"]
@@ -561,19 +569,21 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
         self._record_rollout(everyone, completion_mask, finished, advantages)
         scores = everyone[start:start + n]
         table = {**{f.name: scores[:, k] for k, f in enumerate(self.reward_funcs)}, **logs.extra, "advantage": local}
+        if columns.get("images") is not None:  # the prompt's image(s), by size
+            table = {"image": [vision.describe(row or []) for row in columns["images"]], **table}
         self.keep_completions(prompts, generations.texts, **table)
         out = {
             "input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "completion_mask": loss_mask,
             "advantages": local, "prompt_length": batch["prompt_length"],
             "num_items_in_batch": per_step,
         }
-        for key, value in (("old_logps", old), ("ref_logps", ref), ("importance_weights", weights),
+        for key, value in (("old_logps", old), ("ref_logps", ref), ("importance_weights", weights), (vision.KEY, images),
                            ("sampling_logps", sampler), ("tool_mask", batch.get("tool_mask"))):
             if value is not None:
                 out[key] = value
         return out
 
-    def generate(self, prompt_ids: list[list[int]], g: int) -> Generations:
+    def generate(self, prompt_ids: list[list[int]], g: int, images: vision.RowInputs | None = None) -> Generations:
         """Sample one completion per row. Rows come as whole groups when the process's share of the
         generation batch holds whole groups; then each prompt is sent once with n = g."""
         backend = self.backend
@@ -583,10 +593,11 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
         sampling = self.args.params.sampling()
         grouped = len(prompt_ids) % g == 0 and all(
             prompt_ids[i] == prompt_ids[i - i % g] for i in range(len(prompt_ids)))
+        with_images = {} if images is None else {"images": images.select(slice(None, None, g) if grouped else slice(None))}
         if grouped:
-            out = backend.generate(prompt_ids[::g], attrs.evolve(sampling, num_generations=g))
+            out = backend.generate(prompt_ids[::g], attrs.evolve(sampling, num_generations=g), **with_images)
         else:
-            out = backend.generate(prompt_ids, sampling)
+            out = backend.generate(prompt_ids, sampling, **with_images)
         backend.sleep()  # the policy trains now: an engine may release its memory (it wakes to generate)
         return out
 
@@ -598,7 +609,7 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
             rows = slice(start, start + size)
             ids = batch["input_ids"][rows]
             out = self.token_logprobs(model, ids, batch["attention_mask"][rows], temperature=self.args.params.temperature,
-                                      select=completion_columns(ids, width))
+                                      select=completion_columns(ids, width), **vision.model_inputs(batch, rows))
             parts.append(out.logps[:, width:].float())
         return torch.cat(parts)
 
@@ -617,7 +628,8 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
         p = self.args.params
         width = inputs["prompt_length"]
         out = self.token_logprobs(model, inputs["input_ids"], inputs["attention_mask"], temperature=p.temperature,
-                                  with_entropy=True, select=completion_columns(inputs["input_ids"], width))
+                                  with_entropy=True, select=completion_columns(inputs["input_ids"], width),
+                                  **vision.model_inputs(inputs))
         logps, mask = out.logps[:, width:], inputs["completion_mask"]
         training = self.model.training
         batch = PolicyTokens(
@@ -752,6 +764,8 @@ def split_rows(buffer: dict, parts: int, generator: torch.Generator, multiple: i
                     value = value[:, :keep]
                 elif value.dim() > 1 and value.shape[1] == full - prompt:
                     value = value[:, :keep - prompt]
+            elif isinstance(value, vision.RowInputs):
+                value = value.select(rows)
             chunk[key] = value
         chunks.append(chunk)
     return chunks
@@ -768,7 +782,7 @@ def prompt_text(prompt: Any) -> str:
     if isinstance(prompt, str):
         return prompt
     if is_conversational(prompt):
-        return "\n".join(f"{m['role']}: {m.get('content') or ''}" for m in prompt)
+        return "\n".join(f"{m['role']}: {text_of(m.get('content'), '[image]')}" for m in prompt)
     return str(prompt)
 
 

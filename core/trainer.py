@@ -30,6 +30,8 @@ from .config import config_fields
 from .errors import PlaitError
 from .launch import shard_on_cpu
 from .logprobs import token_logprobs
+from .vision import image_processor_of
+from .vision import model_inputs as model_inputs_of
 from .manager import Plugins, default_plugins
 from .model_card import CardDetails, write_model_card
 from .models import (Reference, agree_on_tokens, disable_dropout, load_model, load_tokenizer,
@@ -126,7 +128,10 @@ class PlaitTrainer(Trainer):
                 eval_dataset = {k: self.prepare(v, processing_class, args, k) for k, v in eval_dataset.items()}
             elif eval_dataset is not None:
                 eval_dataset = self.prepare(eval_dataset, processing_class, args, "eval")
-            data_collator = data_collator or self.make_collator(processing_class, args)
+            if data_collator is None:
+                data_collator = self.make_collator(processing_class, args)
+                if image_processor_of(processing_class) is not None:  # a VLM: images become model inputs per batch
+                    data_collator = self.plugins.collators.get("collator.images").obj(processing_class, inner=data_collator)
 
             callbacks = list(callbacks or [])
             for contributed in self.plugins.hook.trainer_callbacks(method=self.method, args=args):
@@ -305,7 +310,8 @@ class PlaitTrainer(Trainer):
         """What ``compute_metrics`` (after ``preprocess_logits_for_metrics``) receives for one
         evaluation batch, as TRL 1.16 gives it: the model's logits over the batch's rows (one more
         forward, only when asked for) and its ``labels``, else its ``input_ids``."""
-        model_inputs = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs}
+        model_inputs = {**{k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids") if k in inputs},
+                        **model_inputs_of(inputs)}
         logits = model(**model_inputs, use_cache=False).logits
         return logits, inputs["labels"] if "labels" in inputs else inputs["input_ids"]
 

@@ -19,6 +19,7 @@ _EXPORTS = {
                    "register_batch_kind", "reward_inputs", "rollouts", "take", "token_distributions", "token_logps",
                    "unpaired_logps", "value_tokens"),
     "tiny_model": ("build_tiny_model", "tiny_model_path"),
+    "tiny_vlm": ("build_tiny_vlm", "shapes_dataset", "tiny_vlm_path"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -27,3 +27,11 @@ def _tiny_model_path():
     from plait.testing.tiny_model import tiny_model_path
 
     return tiny_model_path(generation_markers=True)
+
+
+@pytest.fixture(scope="session", name="tiny_vlm_path")
+def _tiny_vlm_path():
+    """Folder of the tiny offline vision-language model (Llava: CLIP tower + the tiny Llama) and its processor."""
+    from plait.testing.tiny_vlm import tiny_vlm_path
+
+    return tiny_vlm_path("llava")

@@ -31,6 +31,7 @@ from transformers import GenerationConfig
 from plait import hookimpl
 from plait.chat import tokenizer_of
 from plait.errors import PlaitError
+from plait.vision import RowInputs, image_token_ids
 from plait.generation import (GenerationBackend, Generations, SamplingParams, encode_prompts, eos_token_ids,
                               padded_width, padding_multiple)
 
@@ -66,12 +67,12 @@ class TransformersBackend(GenerationBackend):
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
 
-    def generation_config(self, sampling: SamplingParams) -> GenerationConfig:
+    def generation_config(self, sampling: SamplingParams, repeated: bool = False) -> GenerationConfig:
         greedy = sampling.temperature == 0
         options = dict(
             max_new_tokens=sampling.max_completion_length, do_sample=not greedy,
             # greedy decoding cannot return several sequences per row: rows are repeated instead
-            num_return_sequences=1 if greedy else sampling.num_generations,
+            num_return_sequences=1 if greedy or repeated else sampling.num_generations,
             repetition_penalty=sampling.repetition_penalty,
             pad_token_id=self.pad_id, eos_token_id=sorted(self.eos_ids), use_cache=True,
         )
@@ -84,7 +85,8 @@ class TransformersBackend(GenerationBackend):
         return GenerationConfig(**{**options, **sampling.generation_kwargs})
 
     @torch.no_grad()
-    def generate(self, prompts, sampling: SamplingParams) -> Generations:
+    def generate(self, prompts, sampling: SamplingParams, images: RowInputs | None = None) -> Generations:
+        """``images``: a VLM's per-prompt image inputs (:class:`plait.vision.RowInputs`), one row per prompt."""
         if sampling.structured_outputs_regex is not None:
             raise PlaitError(_no_regex(sampling.structured_outputs_regex))
         prompt_ids = encode_prompts(self.processing_class, prompts)
@@ -94,11 +96,15 @@ class TransformersBackend(GenerationBackend):
         model.eval()
         try:
             if self.continuous_batching is not None:  # the engine schedules every prompt itself
+                if images is not None:
+                    raise PlaitError("transformers' continuous batching cannot pass images to the model; set "
+                                     "use_transformers_continuous_batching=False for image prompts")
                 rows = self._generate_continuous(model, prompt_ids, sampling)
             else:
                 size = self.max_batch_size or len(prompt_ids)
                 for start in range(0, len(prompt_ids), size):
-                    rows.extend(self._generate(model, prompt_ids[start:start + size], sampling))
+                    part = None if images is None else images.select(slice(start, start + size))
+                    rows.extend(self._generate(model, prompt_ids[start:start + size], sampling, part))
         finally:
             model.train(was_training)
         completions, finished = [], []
@@ -110,10 +116,17 @@ class TransformersBackend(GenerationBackend):
         repeated = [ids for ids in prompt_ids for _ in range(sampling.num_generations)]
         return Generations(prompt_ids=repeated, completion_ids=completions, texts=texts, finished=finished)
 
-    def _generate(self, model, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
-        if sampling.temperature == 0:
-            prompt_ids = [ids for ids in prompt_ids for _ in range(sampling.num_generations)]
+    def _generate(self, model, prompt_ids: list[list[int]], sampling: SamplingParams,
+                  images: RowInputs | None = None) -> list[list[int]]:
+        # Image rows are repeated here too: generate() would repeat each image, not each row's images.
+        repeated = sampling.temperature == 0 or images is not None
+        if repeated:
+            order = [i for i in range(len(prompt_ids)) for _ in range(sampling.num_generations)]
+            prompt_ids = [prompt_ids[i] for i in order]
         device = next(model.parameters()).device
+        extra = {}
+        if images is not None:  # pixel_values etc.; the model never samples an image token itself
+            extra = {**images.select(order).kwargs(device), "suppress_tokens": sorted(image_token_ids(self.processing_class))}
         width = padded_width(max(len(ids) for ids in prompt_ids), self.pad_to_multiple_of)
         input_ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
@@ -121,7 +134,7 @@ class TransformersBackend(GenerationBackend):
             input_ids[i, width - len(ids):] = torch.tensor(ids)
             attention_mask[i, width - len(ids):] = 1
         out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                             generation_config=self.generation_config(sampling))
+                             generation_config=self.generation_config(sampling, repeated), **extra)
         return out[:, width:].tolist()
 
     def _generate_continuous(self, model, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
@@ -221,5 +234,5 @@ def transformers_backend(model, processing_class, args=None) -> TransformersBack
 
 @hookimpl
 def register_generation_backends(register):
-    register(NAME, transformers_backend, check=check_config,
+    register(NAME, transformers_backend, check=check_config, images=True,
              doc="Sample with the policy itself via model.generate (no weight copies)")

@@ -26,6 +26,7 @@ from plait.objective import LossChoice, Objective
 from plait.params import positive
 from plait.plugins.data._collate import pad_multiple_field
 from plait.trainer import PlaitTrainer
+from plait.vision import model_inputs as extra_model_inputs
 
 logger = logging.getLogger("plait")
 
@@ -158,7 +159,8 @@ class SFTTrainer(PlaitTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs["labels"]
-        model_inputs = {k: inputs[k] for k in ("attention_mask", "position_ids") if k in inputs}
+        model_inputs = {**{k: inputs[k] for k in ("attention_mask", "position_ids") if k in inputs},
+                        **extra_model_inputs(inputs)}  # a VLM's pixel_values etc. (plait.vision)
         mask = labels != -100
         mask[:, 0] = False  # nothing predicts a row's first token
         if self.compute_loss_func is None:

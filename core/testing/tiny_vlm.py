@@ -1,0 +1,192 @@
+"""A tiny vision-language model, its processor and a coloured-shapes data set, built offline.
+
+``build_tiny_vlm(directory)`` saves a randomly initialised ``LlavaForConditionalGeneration``
+(a 1-layer CLIP vision tower on 32x32 images in 8x8 patches, so 16 image tokens per image, a
+linear-GELU projector and the tiny model's 2-layer Llama text model) with a ``LlavaProcessor``:
+the tiny BPE tokenizer plus an ``<image>`` token and a locally constructed
+``CLIPImageProcessorPil`` (transformers without torchvision has only the PIL processors).
+``build_tiny_qwen2_vl(directory)`` does the same for ``Qwen2VLForConditionalGeneration``
+(patches flattened into ``pixel_values`` plus ``image_grid_thw``), to show that the per-batch
+model inputs are not Llava-shaped. The chat template renders content lists of
+``{"type": "image"}`` / ``{"type": "text", "text": ...}`` parts and keeps the tiny model's
+``{% generation %}`` markers.
+
+``shapes_dataset(n)`` draws coloured shapes (PIL): rows to train "what colour is the shape?".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+import random
+
+from .tiny_model import BOS, EOS, PAD, _build_tokenizer, cached_build
+
+BUILDER_VERSION = "1"
+IMAGE_TOKEN = "<image>"
+IMAGE_SIZE, PATCH = 32, 8
+COLOURS = {"red": (220, 30, 30), "green": (30, 180, 40), "blue": (30, 60, 220), "yellow": (230, 210, 20)}
+SHAPES = ("square", "circle", "triangle")
+
+
+def vlm_chat_template(image: str = IMAGE_TOKEN) -> str:
+    """ChatML-like, assistant turns in {% generation %}; a list content renders its parts in order."""
+    content = (
+        "{%- if message['content'] is string -%}{{- message['content'] -}}"
+        "{%- else -%}{%- for part in message['content'] -%}"
+        "{%- if part['type'] == 'image' -%}{{- '" + image + "' -}}"
+        "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+        "{%- endfor -%}{%- endif -%}"
+    )
+    return (
+        "{%- for message in messages -%}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+        "{%- if message['role'] == 'assistant' -%}{% generation %}" + content + "{{- '<|im_end|>' -}}{% endgeneration %}"
+        "{{- '\\n' -}}"
+        "{%- else -%}" + content + "{{- '<|im_end|>\\n' -}}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    )
+
+
+def _tokenizer(extra: list[str], image: str, seed: int):
+    tokenizer = _build_tokenizer(seed, generation_markers=True)
+    tokenizer.add_tokens(extra, special_tokens=True)
+    tokenizer.chat_template = vlm_chat_template(image)
+    return tokenizer
+
+
+def _text_config(tokenizer) -> dict:
+    return dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+
+
+def _save(directory, model, processor, tokenizer) -> pathlib.Path:
+    for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        setattr(model.generation_config, key, getattr(tokenizer, key))
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return directory
+
+
+def build_tiny_vlm(directory, *, seed: int = 0) -> pathlib.Path:
+    """The tiny Llava (CLIP tower + Llama) and its processor, saved into ``directory``."""
+    import torch
+    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    tokenizer = _tokenizer([IMAGE_TOKEN], IMAGE_TOKEN, seed)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
+    config = LlavaConfig(vision_config=vision, text_config=LlamaConfig(**_text_config(tokenizer)),
+                         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                         image_seq_length=(IMAGE_SIZE // PATCH) ** 2, vision_feature_select_strategy="default",
+                         vision_feature_layer=-1, tie_word_embeddings=True)
+    config.pad_token_id = tokenizer.pad_token_id
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
+                                            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               chat_template=tokenizer.chat_template, image_token=IMAGE_TOKEN)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlavaForConditionalGeneration(config)
+    return _save(directory, model, processor, tokenizer)
+
+
+def build_tiny_qwen2_vl(directory, *, seed: int = 0) -> pathlib.Path:
+    """A tiny Qwen2-VL (flattened patches + image_grid_thw) and its processor, saved into ``directory``."""
+    import torch
+    from transformers import (Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil,
+                              Qwen2VLProcessor)
+
+    start, pad, end = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+    tokenizer = _tokenizer([start, pad, end, "<|video_pad|>"], start + pad + end, seed)
+    ids = tokenizer.convert_tokens_to_ids
+    text = {**_text_config(tokenizer), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                           "mrope_section": [4, 6, 6]}}
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
+                       "patch_size": PATCH // 2, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_chans": 3},
+        image_token_id=ids(pad), video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids(start),
+        vision_end_token_id=ids(end), tie_word_embeddings=True,
+    )
+    image_processor = Qwen2VLImageProcessorPil(patch_size=PATCH // 2, merge_size=2, temporal_patch_size=2,
+                                               min_pixels=16 * 16, max_pixels=IMAGE_SIZE * IMAGE_SIZE)
+    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                 chat_template=tokenizer.chat_template)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(config)
+    return _save(directory, model, processor, tokenizer)
+
+
+BUILDERS = {"llava": build_tiny_vlm, "qwen2_vl": build_tiny_qwen2_vl}
+
+
+def tiny_vlm_path(architecture: str = "llava", *, seed: int = 0) -> pathlib.Path:
+    """The cached tiny VLM folder of ``architecture`` (llava or qwen2_vl), built on first use."""
+    key = hashlib.sha256(f"{BUILDER_VERSION}|{architecture}|seed={seed}".encode()).hexdigest()[:12]
+    return cached_build(f"tiny-vlm-{architecture}-{key}", lambda staging: BUILDERS[architecture](staging, seed=seed))
+
+
+# -- coloured shapes -------------------------------------------------------------------------------
+
+
+def draw(shape: str, colour: str, size: int = IMAGE_SIZE, rng: random.Random | None = None):
+    """A ``size``x``size`` white PIL image with one filled shape of ``colour`` (position jittered by ``rng``)."""
+    from PIL import Image, ImageDraw
+
+    rng = rng or random.Random(0)
+    image = Image.new("RGB", (size, size), (255, 255, 255))
+    pen = ImageDraw.Draw(image)
+    s = rng.randint(size // 2, size - 6)
+    x, y = rng.randint(2, size - s - 2), rng.randint(2, size - s - 2)
+    fill = COLOURS[colour]
+    if shape == "square":
+        pen.rectangle([x, y, x + s, y + s], fill=fill)
+    elif shape == "circle":
+        pen.ellipse([x, y, x + s, y + s], fill=fill)
+    else:
+        pen.polygon([(x, y + s), (x + s, y + s), (x + s // 2, y)], fill=fill)
+    return image
+
+
+QUESTION = "What colour is the shape?"
+
+
+def shapes_dataset(n: int, *, seed: int = 0, kind: str = "prompt_completion", colours=tuple(COLOURS)) -> list[dict]:
+    """``n`` rows about one drawn shape each, in TRL's conversational image layout
+    (``images`` column, ``{"type": "image"}`` part in the user turn).
+
+    ``kind``: ``prompt_completion`` (the answer is the colour), ``preference`` (chosen the colour,
+    rejected another colour) or ``prompt_only`` (with a ``colour`` column for a reward).
+    """
+    rng = random.Random(seed)
+
+    def answer(text: str) -> list[dict]:  # content parts throughout, so Arrow stores one content type
+        return [{"role": "assistant", "content": [{"type": "text", "text": text}]}]
+
+    rows = []
+    for _ in range(n):
+        colour, shape = rng.choice(colours), rng.choice(SHAPES)
+        prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+        row = {"images": [draw(shape, colour, rng=rng)], "prompt": prompt}
+        if kind == "prompt_completion":
+            row["completion"] = answer(colour)
+        elif kind == "preference":
+            other = rng.choice([c for c in colours if c != colour])
+            row["chosen"], row["rejected"] = answer(colour), answer(other)
+        else:
+            row["colour"] = colour
+        rows.append(row)
+    return rows
+
+
+__all__ = ["BOS", "EOS", "PAD", "COLOURS", "IMAGE_TOKEN", "QUESTION", "build_tiny_qwen2_vl", "build_tiny_vlm", "draw",
+           "shapes_dataset", "tiny_vlm_path", "vlm_chat_template"]
