@@ -1,0 +1,93 @@
+"""Training the tiny VLM (plait.testing.tiny_vlm) on coloured shapes: SFT learns to name the colour,
+DPO's preference about the image raises its held-out margin, GRPO samples and trains from image prompts."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from plait import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PlaitError, SFTConfig, SFTTrainer, make_plugins
+from plait.data import prepare_dataset
+from plait.logprobs import token_logprobs
+from plait.testing.tiny_vlm import COLOURS, shapes_dataset
+from plait.vision import model_inputs
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def common(output_dir, **kw):
+    return dict(output_dir=str(output_dir), per_device_train_batch_size=8, report_to=[], save_strategy="no",
+                disable_tqdm=True, lr_scheduler_type="constant", logging_steps=10, **kw)
+
+
+def colour_choice(model, processor, rows):
+    """Held-out accuracy of naming the colour (the most likely of the four answers) and the mean
+    NLL of the right one among them, scored through plait's log-prob path with the images."""
+    plugins, colours = make_plugins(), list(COLOURS)
+    candidates = [{**row, "completion": [{"role": "assistant", "content": [{"type": "text", "text": c}]}]}
+                  for row in rows for c in colours]
+    data = prepare_dataset(candidates, processor, "language_modeling")
+    collate = plugins.collators.get("collator.images").obj(
+        processor, inner=plugins.collators.get("collator.language_modeling").obj(processor))
+    batch = collate([data[i] for i in range(len(data))])
+    model.eval()
+    with torch.no_grad():
+        logps = token_logprobs(model, batch["input_ids"], batch["attention_mask"], **model_inputs(batch)).logps
+    model.train()
+    scores = (logps * (batch["labels"] != -100)).sum(-1).view(len(rows), len(colours))
+    truth = torch.tensor([colours.index(row["completion"][0]["content"][0]["text"]) for row in rows])
+    nll = -scores.log_softmax(-1).gather(1, truth[:, None]).mean().item()
+    return (scores.argmax(-1) == truth).float().mean().item(), nll
+
+
+def test_sft_learns_to_name_the_colour_of_the_shape(tiny_vlm_path, tmp_path):
+    held_out = shapes_dataset(24, seed=99)
+    args = SFTConfig(**common(tmp_path, max_steps=50, learning_rate=3e-3))
+    trainer = SFTTrainer(str(tiny_vlm_path), args=args, train_dataset=shapes_dataset(400, seed=0))
+    accuracy0, nll0 = colour_choice(trainer.model, trainer.processing_class, held_out)
+    trainer.train()
+    accuracy, nll = colour_choice(trainer.model, trainer.processing_class, held_out)
+    assert accuracy0 < 0.5 and accuracy >= 0.75, (accuracy0, accuracy)
+    assert nll < nll0 / 2, (nll0, nll)
+
+
+def test_dpo_on_image_preferences_raises_the_held_out_margin(tiny_vlm_path, tmp_path):
+    args = DPOConfig(**common(tmp_path, max_steps=40, learning_rate=1e-3, beta=0.1, per_device_eval_batch_size=16))
+    trainer = DPOTrainer(str(tiny_vlm_path), args=args, train_dataset=shapes_dataset(400, seed=0, kind="preference"),
+                         eval_dataset=shapes_dataset(32, seed=99, kind="preference"))
+    before = trainer.evaluate()
+    trainer.train()
+    after = trainer.evaluate()
+    assert after["eval_rewards/margins"] > before["eval_rewards/margins"] + 0.1, (before, after)
+    assert after["eval_rewards/accuracies"] > 0.7, after
+
+
+def said(completions, colour, **kwargs):
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(want in text) for want, text in zip(colour, texts)]
+
+
+def test_grpo_samples_from_image_prompts_and_shows_them(tiny_vlm_path, tmp_path, capsys):
+    args = GRPOConfig(**{**common(tmp_path, max_steps=2, learning_rate=1e-3), "logging_steps": 1},
+                      num_generations=4, max_completion_length=4, log_completions=True, beta=0.04)
+    trainer = GRPOTrainer(str(tiny_vlm_path), reward_funcs=said, args=args,
+                          train_dataset=shapes_dataset(16, seed=0, kind="prompt_only"))
+    trainer.train()
+    table = capsys.readouterr().out
+    assert "image 32x32" in table and "user: [image]What colour is the shape?" in table
+    assert trainer.state.log_history[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference saw the same images
+
+
+def test_grpo_with_vllm_refuses_image_prompts_before_loading(tmp_path):
+    args = GRPOConfig(**common(tmp_path, max_steps=1), num_generations=4, use_vllm=True)
+    with pytest.raises(PlaitError, match="cannot pass images.*use_vllm=False"):
+        GRPOTrainer("/nonexistent-model", reward_funcs=said, args=args,
+                    train_dataset=shapes_dataset(4, kind="prompt_only"))
