@@ -350,6 +350,7 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
     _reward_specs = None
     _reward_processing_classes = None
     _agent_args: dict = {}  # tools, environment_factory, rollout_func given to the constructor
+    _images = False  # does the training data hold images (a VLM's prompts)?
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
@@ -570,7 +571,7 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
         scores = everyone[start:start + n]
         table = {**{f.name: scores[:, k] for k, f in enumerate(self.reward_funcs)}, **logs.extra, "advantage": local}
         if columns.get("images") is not None:  # the prompt's image(s), by size
-            table = {"image": [vision.describe(row or []) for row in columns["images"]], **table}
+            table = {"image": [vision.describe(vision.load_images(row)) for row in columns["images"]], **table}
         self.keep_completions(prompts, generations.texts, **table)
         out = {
             "input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "completion_mask": loss_mask,

@@ -160,12 +160,15 @@ def draw(shape: str, colour: str, size: int = IMAGE_SIZE, rng: random.Random | N
 QUESTION = "What colour is the shape?"
 
 
-def shapes_dataset(n: int, *, seed: int = 0, kind: str = "prompt_completion", colours=tuple(COLOURS)) -> list[dict]:
+def shapes_dataset(n: int, *, seed: int = 0, kind: str = "prompt_completion", colours=tuple(COLOURS),
+                   image_dir: str | None = None) -> list[dict]:
     """``n`` rows about one drawn shape each, in TRL's conversational image layout
-    (``images`` column, ``{"type": "image"}`` part in the user turn).
+    (``images`` column, ``{"type": "image"}`` part in the user turn), with ``shape``, ``colour`` and
+    ``jitter`` (the seed of its position) columns.
 
     ``kind``: ``prompt_completion`` (the answer is the colour), ``preference`` (chosen the colour,
-    rejected another colour) or ``prompt_only`` (with a ``colour`` column for a reward).
+    rejected another colour) or ``prompt_only`` (``colour`` is what a reward checks). With
+    ``image_dir`` the images are file paths ``image_dir/<kind>-<i>.png`` (see :func:`draw_images`).
     """
     rng = random.Random(seed)
 
@@ -173,20 +176,41 @@ def shapes_dataset(n: int, *, seed: int = 0, kind: str = "prompt_completion", co
         return [{"role": "assistant", "content": [{"type": "text", "text": text}]}]
 
     rows = []
-    for _ in range(n):
-        colour, shape = rng.choice(colours), rng.choice(SHAPES)
+    for i in range(n):
+        colour, shape, jitter = rng.choice(colours), rng.choice(SHAPES), rng.randrange(2**31)
+        image = f"{image_dir}/{kind}-{i}.png" if image_dir else draw(shape, colour, rng=random.Random(jitter))
         prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
-        row = {"images": [draw(shape, colour, rng=rng)], "prompt": prompt}
+        row = {"images": [image], "prompt": prompt, "shape": shape, "colour": colour, "jitter": jitter}
         if kind == "prompt_completion":
             row["completion"] = answer(colour)
         elif kind == "preference":
             other = rng.choice([c for c in colours if c != colour])
             row["chosen"], row["rejected"] = answer(colour), answer(other)
-        else:
-            row["colour"] = colour
         rows.append(row)
     return rows
 
 
+def draw_images(jsonl, root=".") -> int:
+    """Draw the image files a :func:`shapes_dataset` jsonl (written with ``image_dir``) names, under
+    ``root``; returns how many were drawn (existing files are kept)."""
+    import json
+
+    drawn = 0
+    for line in pathlib.Path(jsonl).read_text().splitlines():
+        row = json.loads(line)
+        path = pathlib.Path(root) / row["images"][0]
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            draw(row["shape"], row["colour"], rng=random.Random(row["jitter"])).save(path)
+            drawn += 1
+    return drawn
+
+
+def said_colour(completions, colour, **kwargs) -> list[float]:
+    """Reward: 1 when the completion names the row's ``colour``, else 0 (GRPO on shapes_dataset prompts)."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(want in (text if isinstance(text, str) else "")) for want, text in zip(colour, texts)]
+
+
 __all__ = ["BOS", "EOS", "PAD", "COLOURS", "IMAGE_TOKEN", "QUESTION", "build_tiny_qwen2_vl", "build_tiny_vlm", "draw",
-           "shapes_dataset", "tiny_vlm_path", "vlm_chat_template"]
+           "said_colour", "shapes_dataset", "tiny_vlm_path", "vlm_chat_template", "draw_images"]
