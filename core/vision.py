@@ -156,28 +156,34 @@ class RowInputs:
 
     Every tensor of a row has images (or image patches) on dim 0, so rows concatenate into one
     forward's keyword arguments; ``select`` keeps, repeats or reorders rows like the batch's tensors.
+    ``marked`` holds the image token ids of a model that also reads which tokens are image tokens
+    (``mm_token_type_ids``, e.g. Qwen2-VL's multimodal RoPE): that tensor is derived from the
+    ``input_ids`` of each forward, so it follows any padding, trimming or appended completion.
     """
 
     rows: tuple[dict, ...]
+    marked: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def select(self, index) -> "RowInputs":
         if isinstance(index, slice):
-            return RowInputs(self.rows[index])
+            return attrs.evolve(self, rows=self.rows[index])
         index = index.tolist() if torch.is_tensor(index) else list(index)
-        return RowInputs(tuple(self.rows[i] for i in index))
+        return attrs.evolve(self, rows=tuple(self.rows[i] for i in index))
 
     def tile(self, times: int) -> "RowInputs":
-        return RowInputs(self.rows * times)
+        return attrs.evolve(self, rows=self.rows * times)
 
-    def kwargs(self, device=None) -> dict:
+    def kwargs(self, device=None, input_ids: torch.Tensor | None = None) -> dict:
         keys = dict.fromkeys(k for row in self.rows for k in row)
         out = {}
         for key in keys:
             parts = [row[key] for row in self.rows if key in row]
             out[key] = torch.cat(parts).to(device) if device is not None else torch.cat(parts)
+        if self.marked and input_ids is not None:
+            out["mm_token_type_ids"] = torch.isin(input_ids, torch.tensor(self.marked, device=input_ids.device)).long()
         return out
 
 
@@ -186,10 +192,10 @@ def model_inputs(batch: dict, rows=None) -> dict:
     inputs = batch.get(KEY)
     if inputs is None:
         return {}
-    if rows is not None:
-        inputs = inputs.select(rows)
     ids = batch.get("input_ids")
-    return inputs.kwargs(ids.device if torch.is_tensor(ids) else None)
+    if rows is not None:
+        inputs, ids = inputs.select(rows), ids[rows]
+    return inputs.kwargs(ids.device, ids) if torch.is_tensor(ids) else inputs.kwargs()
 
 
 def holds_images(dataset: Any) -> bool:
@@ -209,6 +215,11 @@ def image_inputs(processing_class: Any, images: Sequence) -> dict:
         return {}
     out = image_processor_of(processing_class)(images=list(images), return_tensors="pt")
     return {k: v for k, v in out.items() if torch.is_tensor(v)}
+
+
+def marked_tokens(processing_class: Any) -> tuple[int, ...]:
+    """The image token ids to mark as ``mm_token_type_ids`` when the processor returns that tensor, else ()."""
+    return tuple(sorted(image_token_ids(processing_class))) if getattr(processing_class, "return_mm_token_type_ids", False) else ()
 
 
 def describe(images: Sequence) -> str:

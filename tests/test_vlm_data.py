@@ -12,7 +12,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokeniz
 from plait import PlaitError, make_plugins
 from plait.data import detect_format, prepare_dataset
 from plait.logprobs import token_logprobs
-from plait.testing.tiny_vlm import draw, shapes_dataset
+from plait.testing.tiny_vlm import draw, shapes_dataset, tiny_qwen2_vl
 from plait.vision import KEY, carry_mask, load_images, model_inputs
 
 N_IMAGE = 16  # 32x32 image, 8x8 patches
@@ -165,3 +165,26 @@ def test_logprobs_with_images_match_the_models_own_forward(processor, plugins, m
     with torch.no_grad():
         blind = token_logprobs(model, batch["input_ids"], batch["attention_mask"], **other).logps
     assert (blind - ours).abs().max() > 1e-4
+
+
+def test_qwen2_vl_inputs_flattened_patches_grid_and_token_types(plugins):
+    """Qwen2-VL's inputs are not Llava's: patches of all images flattened, image_grid_thw per image,
+    and mm_token_type_ids aligned with the tokens; plait's log-probs still equal the model's own."""
+    model, processor = tiny_qwen2_vl()
+    data = prepare_dataset(shapes_dataset(3, seed=2), processor, "language_modeling")
+    collate = plugins.collators.get("collator.images").obj(
+        processor, inner=plugins.collators.get("collator.language_modeling").obj(processor))
+    batch = collate([data[i] for i in range(3)])
+    extra = model_inputs(batch)
+    assert extra["pixel_values"].shape[0] == 3 * 64 and extra["image_grid_thw"].tolist() == [[1, 8, 8]] * 3
+    assert torch.equal(extra["mm_token_type_ids"].bool(), batch["input_ids"] == processor.image_token_id)
+    assert int(extra["mm_token_type_ids"][0].sum()) == 16  # 8x8 patches merged 2x2
+    model.eval()
+    with torch.no_grad():
+        ours = token_logprobs(model, batch["input_ids"], batch["attention_mask"], chunk_size=5, **extra).logps
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
+    theirs = logits[:, :-1].log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    mask = batch["attention_mask"][:, 1:].bool()
+    assert torch.allclose(ours[:, 1:][mask], theirs[mask], atol=1e-5)
+    one = model_inputs(batch, rows=torch.tensor([2]))  # a micro-batch of row 2 only
+    assert one["pixel_values"].shape[0] == 64 and torch.equal(one["pixel_values"], extra["pixel_values"][128:])

@@ -34,4 +34,4 @@ def _tiny_vlm_path():
     """Folder of the tiny offline vision-language model (Llava: CLIP tower + the tiny Llama) and its processor."""
     from plait.testing.tiny_vlm import tiny_vlm_path
 
-    return tiny_vlm_path("llava")
+    return tiny_vlm_path()

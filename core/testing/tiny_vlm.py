@@ -5,9 +5,9 @@
 linear-GELU projector and the tiny model's 2-layer Llama text model) with a ``LlavaProcessor``:
 the tiny BPE tokenizer plus an ``<image>`` token and a locally constructed
 ``CLIPImageProcessorPil`` (transformers without torchvision has only the PIL processors).
-``build_tiny_qwen2_vl(directory)`` does the same for ``Qwen2VLForConditionalGeneration``
-(patches flattened into ``pixel_values`` plus ``image_grid_thw``), to show that the per-batch
-model inputs are not Llava-shaped. The chat template renders content lists of
+``tiny_qwen2_vl()`` builds a ``Qwen2VLForConditionalGeneration`` and its processor in memory
+(patches flattened into ``pixel_values`` plus ``image_grid_thw`` and ``mm_token_type_ids``), to
+show that the per-batch model inputs are not Llava-shaped. The chat template renders content lists of
 ``{"type": "image"}`` / ``{"type": "text", "text": ...}`` parts and keeps the tiny model's
 ``{% generation %}`` markers.
 
@@ -98,11 +98,18 @@ def build_tiny_vlm(directory, *, seed: int = 0) -> pathlib.Path:
     return _save(directory, model, processor, tokenizer)
 
 
-def build_tiny_qwen2_vl(directory, *, seed: int = 0) -> pathlib.Path:
-    """A tiny Qwen2-VL (flattened patches + image_grid_thw) and its processor, saved into ``directory``."""
+def tiny_qwen2_vl(*, seed: int = 0):
+    """A tiny ``Qwen2VLForConditionalGeneration`` and its processor, in memory: patches flattened
+    into ``pixel_values`` with ``image_grid_thw`` (16 image tokens per 32x32 image: 8x8 patches, merged
+    2x2) and ``mm_token_type_ids`` for its multimodal RoPE. Not saved: ``AutoProcessor`` cannot load a
+    Qwen2-VL processor where torchvision is missing (its video processor needs it)."""
     import torch
     from transformers import (Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil,
                               Qwen2VLProcessor)
+
+    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):  # no video processor (it needs torchvision)
+        def check_argument_for_proper_class(self, argument_name, argument):
+            return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
 
     start, pad, end = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
     tokenizer = _tokenizer([start, pad, end, "<|video_pad|>"], start + pad + end, seed)
@@ -117,22 +124,21 @@ def build_tiny_qwen2_vl(directory, *, seed: int = 0) -> pathlib.Path:
         vision_end_token_id=ids(end), tie_word_embeddings=True,
     )
     image_processor = Qwen2VLImageProcessorPil(patch_size=PATCH // 2, merge_size=2, temporal_patch_size=2,
-                                               min_pixels=16 * 16, max_pixels=IMAGE_SIZE * IMAGE_SIZE)
-    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                 chat_template=tokenizer.chat_template)
+                                               min_pixels=8 * 8, max_pixels=IMAGE_SIZE * IMAGE_SIZE)
+    processor = ImageOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                                          chat_template=tokenizer.chat_template)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2VLForConditionalGeneration(config)
-    return _save(directory, model, processor, tokenizer)
+    for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        setattr(model.generation_config, key, getattr(tokenizer, key))
+    return model, processor
 
 
-BUILDERS = {"llava": build_tiny_vlm, "qwen2_vl": build_tiny_qwen2_vl}
-
-
-def tiny_vlm_path(architecture: str = "llava", *, seed: int = 0) -> pathlib.Path:
-    """The cached tiny VLM folder of ``architecture`` (llava or qwen2_vl), built on first use."""
-    key = hashlib.sha256(f"{BUILDER_VERSION}|{architecture}|seed={seed}".encode()).hexdigest()[:12]
-    return cached_build(f"tiny-vlm-{architecture}-{key}", lambda staging: BUILDERS[architecture](staging, seed=seed))
+def tiny_vlm_path(*, seed: int = 0) -> pathlib.Path:
+    """The cached tiny Llava folder (model + processor), built on first use."""
+    key = hashlib.sha256(f"{BUILDER_VERSION}|llava|seed={seed}".encode()).hexdigest()[:12]
+    return cached_build(f"tiny-vlm-llava-{key}", lambda staging: build_tiny_vlm(staging, seed=seed))
 
 
 # -- coloured shapes -------------------------------------------------------------------------------
@@ -212,5 +218,5 @@ def said_colour(completions, colour, **kwargs) -> list[float]:
     return [float(want in (text if isinstance(text, str) else "")) for want, text in zip(colour, texts)]
 
 
-__all__ = ["BOS", "EOS", "PAD", "COLOURS", "IMAGE_TOKEN", "QUESTION", "build_tiny_qwen2_vl", "build_tiny_vlm", "draw",
-           "said_colour", "shapes_dataset", "tiny_vlm_path", "vlm_chat_template", "draw_images"]
+__all__ = ["BOS", "EOS", "PAD", "COLOURS", "IMAGE_TOKEN", "QUESTION", "build_tiny_vlm", "draw",
+           "said_colour", "shapes_dataset", "tiny_qwen2_vl", "tiny_vlm_path", "vlm_chat_template", "draw_images"]

@@ -67,7 +67,8 @@ class TransformersBackend(GenerationBackend):
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
 
-    def generation_config(self, sampling: SamplingParams, repeated: bool = False) -> GenerationConfig:
+    def generation_config(self, sampling: SamplingParams, repeated: bool = False,
+                          suppress: list[int] | None = None) -> GenerationConfig:
         greedy = sampling.temperature == 0
         options = dict(
             max_new_tokens=sampling.max_completion_length, do_sample=not greedy,
@@ -78,6 +79,8 @@ class TransformersBackend(GenerationBackend):
         )
         if self.cache_implementation is not None:
             options["cache_implementation"] = self.cache_implementation
+        if suppress:
+            options["suppress_tokens"] = suppress
         if not greedy:
             # top_k must be given explicitly: transformers' default would silently apply top-50.
             options.update(temperature=sampling.temperature, top_p=sampling.top_p,
@@ -124,17 +127,17 @@ class TransformersBackend(GenerationBackend):
             order = [i for i in range(len(prompt_ids)) for _ in range(sampling.num_generations)]
             prompt_ids = [prompt_ids[i] for i in order]
         device = next(model.parameters()).device
-        extra = {}
-        if images is not None:  # pixel_values etc.; the model never samples an image token itself
-            extra = {**images.select(order).kwargs(device), "suppress_tokens": sorted(image_token_ids(self.processing_class))}
         width = padded_width(max(len(ids) for ids in prompt_ids), self.pad_to_multiple_of)
         input_ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
         for i, ids in enumerate(prompt_ids):  # left padding: every row's next token is at the same column
             input_ids[i, width - len(ids):] = torch.tensor(ids)
             attention_mask[i, width - len(ids):] = 1
+        extra, suppress = {}, None
+        if images is not None:  # pixel_values etc.; the model never samples an image token itself
+            extra, suppress = images.select(order).kwargs(device, input_ids.to(device)), sorted(image_token_ids(self.processing_class))
         out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                             generation_config=self.generation_config(sampling, repeated), **extra)
+                             generation_config=self.generation_config(sampling, repeated, suppress), **extra)
         return out[:, width:].tolist()
 
     def _generate_continuous(self, model, prompt_ids: list[list[int]], sampling: SamplingParams) -> list[list[int]]:

@@ -11,7 +11,7 @@ inner collator did. Rows without images get no inputs: text-only batches stay te
 
 from plait import hookimpl
 from plait.errors import PlaitError
-from plait.vision import KEY, RowInputs, image_inputs, image_token_ids, load_images
+from plait.vision import KEY, RowInputs, image_inputs, image_token_ids, load_images, marked_tokens
 
 
 def image_collator(processing_class, *, inner):
@@ -31,7 +31,7 @@ def image_collator(processing_class, *, inner):
             raise PlaitError(f"a batch of {len(examples)} image rows became {rows} sequences; image inputs follow "
                              "whole repeats of the examples only")
         per_example = tuple(image_inputs(processing_class, row) for row in images)
-        batch[KEY] = RowInputs(per_example).tile(rows // len(examples))
+        batch[KEY] = RowInputs(per_example, marked_tokens(processing_class)).tile(rows // len(examples))
         if "labels" in batch and wanted:
             import torch
 
