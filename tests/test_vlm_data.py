@@ -51,6 +51,21 @@ VISION_CASES = {
 }
 
 
+def assert_logprobs_match(model, batch, extra, chunk_size):
+    """plait's chunked log-probs with the image inputs equal the model's own forward's log-softmax, gathered."""
+    with torch.no_grad():
+        ours = token_logprobs(model, batch["input_ids"], batch["attention_mask"], chunk_size=chunk_size, **extra).logps
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
+    theirs = logits[:, :-1].log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    mask = batch["attention_mask"][:, 1:].bool()
+    assert torch.allclose(ours[:, 1:][mask], theirs[mask], atol=1e-5)
+    return ours
+
+
+def image_collate(plugins, processor, inner="collator.language_modeling"):
+    return plugins.collators.get("collator.images").obj(processor, inner=plugins.collators.get(inner).obj(processor))
+
+
 def test_every_vision_format_is_covered(plugins):
     assert {n for n in plugins.data_formats.names() if n.startswith("format.vision_")} == set(VISION_CASES)
 
@@ -88,8 +103,7 @@ def test_image_tokens_and_padding_are_never_trained(processor, plugins):
     rows = shapes_dataset(2, seed=3)
     rows[1]["completion"] = answer("a much longer answer than red")
     data = prepare_dataset(rows, processor, "language_modeling", completion_only_loss=False)
-    collate = plugins.collators.get("collator.images").obj(
-        processor, inner=plugins.collators.get("collator.language_modeling").obj(processor, pad_to_multiple_of=None))
+    collate = image_collate(plugins, processor)
     batch = collate([data[0], data[1]])
     ids, labels = batch["input_ids"], batch["labels"]
     image = ids == processor.image_token_id
@@ -140,8 +154,7 @@ def test_embedded_images_in_parts_are_refused(processor):
 
 def test_preference_rows_share_the_prompt_images(processor, plugins):
     data = prepare_dataset(shapes_dataset(2, kind="preference"), processor, "preference")
-    collate = plugins.collators.get("collator.images").obj(
-        processor, inner=plugins.collators.get("collator.preference").obj(processor))
+    collate = image_collate(plugins, processor, "collator.preference")
     batch = collate([data[0], data[1]])
     assert batch["input_ids"].shape[0] == 4 and len(batch[KEY]) == 4
     pixels = model_inputs(batch)["pixel_values"]
@@ -150,16 +163,10 @@ def test_preference_rows_share_the_prompt_images(processor, plugins):
 
 def test_logprobs_with_images_match_the_models_own_forward(processor, plugins, model):
     data = prepare_dataset(shapes_dataset(3, seed=2), processor, "language_modeling")
-    collate = plugins.collators.get("collator.images").obj(
-        processor, inner=plugins.collators.get("collator.language_modeling").obj(processor))
+    collate = image_collate(plugins, processor)
     batch = collate([data[i] for i in range(3)])
     extra = model_inputs(batch)
-    with torch.no_grad():
-        ours = token_logprobs(model, batch["input_ids"], batch["attention_mask"], chunk_size=7, **extra).logps
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
-    theirs = logits[:, :-1].log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
-    mask = batch["attention_mask"][:, 1:].bool()
-    assert torch.allclose(ours[:, 1:][mask], theirs[mask], atol=1e-5)
+    ours = assert_logprobs_match(model, batch, extra, chunk_size=7)
     # the images matter: other pixels give other log-probs of the answer
     other = {**extra, "pixel_values": torch.zeros_like(extra["pixel_values"])}
     with torch.no_grad():
@@ -172,19 +179,12 @@ def test_qwen2_vl_inputs_flattened_patches_grid_and_token_types(plugins):
     and mm_token_type_ids aligned with the tokens; plait's log-probs still equal the model's own."""
     model, processor = tiny_qwen2_vl()
     data = prepare_dataset(shapes_dataset(3, seed=2), processor, "language_modeling")
-    collate = plugins.collators.get("collator.images").obj(
-        processor, inner=plugins.collators.get("collator.language_modeling").obj(processor))
+    collate = image_collate(plugins, processor)
     batch = collate([data[i] for i in range(3)])
     extra = model_inputs(batch)
     assert extra["pixel_values"].shape[0] == 3 * 64 and extra["image_grid_thw"].tolist() == [[1, 8, 8]] * 3
     assert torch.equal(extra["mm_token_type_ids"].bool(), batch["input_ids"] == processor.image_token_id)
     assert int(extra["mm_token_type_ids"][0].sum()) == 16  # 8x8 patches merged 2x2
-    model.eval()
-    with torch.no_grad():
-        ours = token_logprobs(model, batch["input_ids"], batch["attention_mask"], chunk_size=5, **extra).logps
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
-    theirs = logits[:, :-1].log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
-    mask = batch["attention_mask"][:, 1:].bool()
-    assert torch.allclose(ours[:, 1:][mask], theirs[mask], atol=1e-5)
+    assert_logprobs_match(model.eval(), batch, extra, chunk_size=5)
     one = model_inputs(batch, rows=torch.tensor([2]))  # a micro-batch of row 2 only
     assert one["pixel_values"].shape[0] == 64 and torch.equal(one["pixel_values"], extra["pixel_values"][128:])
