@@ -1,6 +1,7 @@
 """Shared test setup: no model hub, no tokenizer thread pools, no PLAIT_* switches leaking in."""
 
 import os
+import platform
 import tempfile
 
 # Set before transformers/huggingface_hub are imported by any test module: an accidental hub
@@ -9,6 +10,14 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The registry catalog (plait.catalog) of this test session, not the user's ~/.cache/plait.
 os.environ.setdefault("PLAIT_CACHE_DIR", tempfile.mkdtemp(prefix="plait-test-cache-"))
+
+# The suite's numbers and learning thresholds hold at fp32; plait picks bf16 autocast by default
+# on a CPU with AVX-512 BF16 (plait.config.cpu_bf16_support), so on such a machine every default-
+# precision test would run another precision. Torch's kernels at AVX2 (its own switch, read when
+# torch loads, inherited by every subprocess) keep the default fp32 on any x86 box; bf16 itself is
+# tested with bf16=True (test_precision.py, test_logprobs.py).
+if platform.machine() in ("x86_64", "AMD64"):
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 
 import pytest  # noqa: E402
 

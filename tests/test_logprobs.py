@@ -318,10 +318,14 @@ def test_default_chunk_size_bounds_one_chunk_of_logits():
 
 
 def _ddp_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    import datetime
+
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # A rank that cannot reach the other fails in two minutes with gloo's reason (not torch's 30).
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         torch.set_num_threads(1)
         model = DistributedDataParallel(tiny_llama(6))

@@ -14,11 +14,31 @@ from plait.run import check_recipe, load_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "examples" / "recipes"
 ALL = sorted(RECIPES.glob("*.yaml"))
+SMOLLM2 = Path("~/.cache/plait/SmolLM2-135M-Instruct")
 
 
 @pytest.fixture(scope="module")
 def plugins():
     return make_plugins()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def demo_model_at_its_cache_path(tmp_path_factory):
+    """The SmolLM2 recipes name ~/.cache/plait/SmolLM2-135M-Instruct, where examples/smollm2.py
+    puts it; components that check their model folder up front (a judge) see one there. On a
+    machine without it (a fresh CI box), a home whose cache links that name to the tiny model."""
+    if SMOLLM2.expanduser().is_dir():
+        yield
+        return
+    from plait.testing.tiny_model import tiny_model_path
+
+    tiny = tiny_model_path()  # built under the real home before HOME moves
+    home = tmp_path_factory.mktemp("home")
+    (home / SMOLLM2.parent.relative_to("~")).mkdir(parents=True)
+    (home / SMOLLM2.relative_to("~")).symlink_to(tiny, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HOME", str(home))
+        yield
 
 
 def test_each_method_has_a_tiny_and_a_smollm2_recipe(plugins):
