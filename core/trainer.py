@@ -128,10 +128,7 @@ class PlaitTrainer(Trainer):
                 eval_dataset = {k: self.prepare(v, processing_class, args, k) for k, v in eval_dataset.items()}
             elif eval_dataset is not None:
                 eval_dataset = self.prepare(eval_dataset, processing_class, args, "eval")
-            if data_collator is None:
-                data_collator = self.make_collator(processing_class, args)
-                if image_processor_of(processing_class) is not None:  # a VLM: images become model inputs per batch
-                    data_collator = self.plugins.collators.get("collator.images").obj(processing_class, inner=data_collator)
+            data_collator = data_collator or self.batch_collator(processing_class, args)
 
             callbacks = list(callbacks or [])
             for contributed in self.plugins.hook.trainer_callbacks(method=self.method, args=args):
@@ -180,6 +177,13 @@ class PlaitTrainer(Trainer):
 
     def make_collator(self, processing_class, args):
         raise NotImplementedError
+
+    def batch_collator(self, processing_class, args):
+        """The method's collator; for a VLM's processor wrapped in ``collator.images`` (images become model inputs)."""
+        collate = self.make_collator(processing_class, args)
+        if image_processor_of(processing_class) is not None:
+            collate = self.plugins.collators.get("collator.images").obj(processing_class, inner=collate)
+        return collate
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()

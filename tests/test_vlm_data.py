@@ -188,3 +188,9 @@ def test_qwen2_vl_inputs_flattened_patches_grid_and_token_types(plugins):
     assert_logprobs_match(model.eval(), batch, extra, chunk_size=5)
     one = model_inputs(batch, rows=torch.tensor([2]))  # a micro-batch of row 2 only
     assert one["pixel_values"].shape[0] == 64 and torch.equal(one["pixel_values"], extra["pixel_values"][128:])
+
+
+def test_padding_free_batches_refuse_images(processor, plugins):
+    data = prepare_dataset(shapes_dataset(2), processor, "language_modeling")
+    with pytest.raises(PlaitError, match="padding_free=False and packing=False"):
+        image_collate(plugins, processor, "collator.padding_free")([data[0], data[1]])

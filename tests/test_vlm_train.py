@@ -70,6 +70,20 @@ def test_dpo_on_image_preferences_raises_the_held_out_margin(tiny_vlm_path, tmp_
     assert after["eval_rewards/accuracies"] > 0.7, after
 
 
+def test_dpo_precomputed_reference_logps_see_the_images(tiny_vlm_path, tmp_path):
+    data = shapes_dataset(8, seed=0, kind="preference")
+    args = DPOConfig(**{**common(tmp_path, max_steps=1, learning_rate=1e-3), "per_device_train_batch_size": 4},
+                     precompute_ref_log_probs=True)
+    trainer = DPOTrainer(str(tiny_vlm_path), args=args, train_dataset=data)
+    row = trainer.train_dataset[0]
+    batch = trainer.data_collator([row])
+    with torch.no_grad():
+        logps = token_logprobs(trainer.model, batch["input_ids"], batch["attention_mask"], **model_inputs(batch)).logps
+    chosen = (logps * batch["completion_mask"]).sum(-1)[0]
+    assert row["ref_chosen_logps"] == pytest.approx(float(chosen), abs=1e-4)  # the reference is the initial policy
+    trainer.train()
+
+
 def said(completions, colour, **kwargs):
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
     return [float(want in text) for want, text in zip(colour, texts)]

@@ -60,7 +60,7 @@ class ReferenceTrainer(PlaitTrainer):
         }
 
         def run() -> dict[str, torch.Tensor]:
-            collate = self.make_collator(processing_class, args)
+            collate = self.batch_collator(processing_class, args)
             self.args = args  # token_logprobs reads it; Trainer.__init__ sets the same object later
             parts = defaultdict(list)
             for start in tqdm(range(0, len(dataset), size), desc="Reference log-probs"):
