@@ -317,36 +317,40 @@ def test_default_chunk_size_bounds_one_chunk_of_logits():
     assert default_chunk_size(300) == 4096 and default_chunk_size(10**9) == 16
 
 
-def _ddp_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    import datetime
+# Each rank's gradient under DDP, run by torchrun as the other multi-process tests are (it joins the
+# ranks and bounds the run); a rank that cannot reach the other fails in two minutes with gloo's reason.
+DDP_SCRIPT = """
+import datetime, sys
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+sys.path.insert(0, sys.argv[2])
+from test_logprobs import VOCAB, tiny_llama
+from plait.logprobs import token_logprobs
 
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    # A rank that cannot reach the other fails in two minutes with gloo's reason (not torch's 30).
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        torch.set_num_threads(1)
-        model = DistributedDataParallel(tiny_llama(6))
-        ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(100 + rank))
-        token_logprobs(model, ids, chunk_size=5).logps.sum().backward()
-        torch.save({n: p.grad for n, p in model.module.named_parameters()}, f"{out_dir}/grads{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+rank = dist.get_rank()
+torch.set_num_threads(1)
+model = DistributedDataParallel(tiny_llama(6))
+ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(100 + rank))
+token_logprobs(model, ids, chunk_size=5).logps.sum().backward()
+torch.save({n: p.grad for n, p in model.module.named_parameters()}, f"{sys.argv[1]}/grads{rank}.pt")
+dist.destroy_process_group()
+"""
 
 
 @pytest.mark.slow
 def test_under_ddp_every_gradient_is_all_reduced(tmp_path):
     """The forward runs through the DDP wrapper, so the output layer's gradient is averaged too."""
-    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ddp_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    script = tmp_path / "ddp_logprobs.py"
+    script.write_text(DDP_SCRIPT)
+    torchrun = Path(sys.executable).parent / "torchrun"
+    done = subprocess.run([str(torchrun), "--nproc_per_node", "2", str(script), str(tmp_path), str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
     reduced = [torch.load(tmp_path / f"grads{r}.pt") for r in range(2)]
     local = []
     for rank in range(2):
