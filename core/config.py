@@ -27,7 +27,7 @@ from transformers import TrainingArguments
 
 from . import preflight
 from .errors import PlaitError
-from .params import non_negative
+from .params import non_negative, positive
 
 logger = logging.getLogger("plait")
 
@@ -123,6 +123,9 @@ class ModelLoading:
     * ``router_aux_loss_coef``: weight of a Mixture-of-Experts model's load-balancing loss added to the
       training loss; None takes the model config's own coefficient, 0 turns it off.
     * ``activation_offloading``: keep the activations saved for backward in CPU memory (on an accelerator).
+    * ``max_pixels`` (plait's): a vision-language model's pixel budget per image, given to its image
+      processor where it has that option (Qwen2-VL's family resizes each image to at most this many
+      pixels, so fewer image tokens); refused for a processor without it.
     """
 
     trust_remote_code: bool = False
@@ -132,6 +135,7 @@ class ModelLoading:
     disable_dropout: bool = False
     router_aux_loss_coef: float | None = attrs.field(default=None, validator=attrs.validators.optional(non_negative))
     activation_offloading: bool = False
+    max_pixels: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive))
 
 
 def _serialisable(value: Any) -> Any:

@@ -30,7 +30,7 @@ from .config import config_fields
 from .errors import PlaitError
 from .launch import shard_on_cpu
 from .logprobs import token_logprobs
-from .vision import image_processor_of
+from .vision import image_processor_of, limit_pixels
 from .vision import model_inputs as model_inputs_of
 from .manager import Plugins, default_plugins
 from .model_card import CardDetails, write_model_card
@@ -106,6 +106,7 @@ class PlaitTrainer(Trainer):
 
             processing_class = load_tokenizer(model, processing_class, chat_template_path=args.chat_template_path,
                                               eos_token=args.eos_token, pad_token=args.pad_token)
+            limit_pixels(processing_class, args.max_pixels)
             with torch.random.fork_rng(devices=[]):  # weights the folder lacks (a new score head) come from args.seed
                 torch.manual_seed(args.seed)
                 model = load_model(model, init_kwargs, auto_class=self.auto_model_class)

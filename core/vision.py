@@ -112,6 +112,23 @@ def image_tokens(processing_class: Any, images: Sequence) -> int:
     return sum(t in wanted for t in ids)
 
 
+def limit_pixels(processing_class: Any, max_pixels: int | None) -> None:
+    """Give the image processor a pixel budget per image (``max_pixels``), where it has that option."""
+    if max_pixels is None:
+        return
+    image_processor = image_processor_of(processing_class)
+    options = getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", {})
+    if image_processor is None or "max_pixels" not in options:
+        what = "no image processor" if image_processor is None else f"a {type(image_processor).__name__}"
+        raise PlaitError(f"max_pixels={max_pixels}: the processing class has {what}, which takes no max_pixels "
+                         "(it sizes images itself); remove max_pixels")
+    size = image_processor.size
+    shortest = size.get("shortest_edge") if isinstance(size, dict) else getattr(size, "shortest_edge", None)
+    image_processor.size = {"shortest_edge": min(shortest or max_pixels, max_pixels), "longest_edge": max_pixels}
+    if hasattr(image_processor, "max_pixels"):  # older transformers read the attributes
+        image_processor.max_pixels = max_pixels
+
+
 def require_processor(processing_class: Any, data_format: str) -> None:
     """Refuse image-bearing data when the processing class has no image processor."""
     if image_processor_of(processing_class) is None:

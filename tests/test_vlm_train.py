@@ -126,3 +126,14 @@ def test_qwen2_vl_trains_with_each_method(method, tmp_path):
     moved = [n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])]
     if method != "grpo":  # GRPO's random-policy rewards are all 0 here: no advantage, no gradient
         assert moved, "the vision tower got no gradient"
+
+
+def test_max_pixels_reaches_an_image_processor_that_has_it(tiny_vlm_path, tmp_path):
+    model, processor = tiny_qwen2_vl()
+    args = SFTConfig(**common(tmp_path, max_steps=1), max_pixels=16 * 16)
+    trainer = SFTTrainer(model, args=args, processing_class=processor, train_dataset=shapes_dataset(4))
+    row = trainer.train_dataset[0]
+    assert sum(t == processor.image_token_id for t in row["input_ids"]) == 4  # 16x16 pixels: 4x4 patches, merged 2x2
+    assert model_inputs(trainer.data_collator([row]))["image_grid_thw"].tolist() == [[1, 4, 4]]
+    with pytest.raises(PlaitError, match="max_pixels=256: the processing class has a CLIPImageProcessorPil"):
+        SFTTrainer(str(tiny_vlm_path), args=args, train_dataset=shapes_dataset(4))
