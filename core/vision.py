@@ -204,12 +204,14 @@ class RowInputs:
         return out
 
 
-def model_inputs(batch: dict, rows=None) -> dict:
-    """The extra model inputs of ``batch`` (all rows, or ``rows``), on the device of its ``input_ids``."""
+def model_inputs(batch: dict, rows=None, prefix: str = "") -> dict:
+    """The extra model inputs of ``batch`` (all rows, or ``rows``), on the device of its ``input_ids``
+    (``prefix``: of the sequences under ``<prefix>input_ids``, e.g. KTO's ``kl_`` rows, which share
+    each row's prompt and so its images)."""
     inputs = batch.get(KEY)
     if inputs is None:
         return {}
-    ids = batch.get("input_ids")
+    ids = batch.get(f"{prefix}input_ids")
     if rows is not None:
         inputs, ids = inputs.select(rows), ids[rows]
     return inputs.kwargs(ids.device, ids) if torch.is_tensor(ids) else inputs.kwargs()

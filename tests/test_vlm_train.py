@@ -1,6 +1,7 @@
 """Training the tiny VLM (plait.testing.tiny_vlm) on coloured shapes: SFT learns to name the colour,
 DPO's preference about the image raises its held-out margin, GRPO samples and trains from image prompts."""
 
+import math
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -137,3 +138,14 @@ def test_max_pixels_reaches_an_image_processor_that_has_it(tiny_vlm_path, tmp_pa
     assert model_inputs(trainer.data_collator([row]))["image_grid_thw"].tolist() == [[1, 4, 4]]
     with pytest.raises(PlaitError, match="max_pixels=256: the processing class has a CLIPImageProcessorPil"):
         SFTTrainer(str(tiny_vlm_path), args=args, train_dataset=shapes_dataset(4))
+
+
+def test_kto_on_image_pairs_feeds_the_images_to_the_mismatched_pairs_too(tiny_vlm_path, tmp_path):
+    from plait import KTOConfig, KTOTrainer
+
+    args = KTOConfig(**{**common(tmp_path, max_steps=2, learning_rate=1e-3), "per_device_train_batch_size": 4})
+    trainer = KTOTrainer(str(tiny_vlm_path), args=args, train_dataset=shapes_dataset(8, kind="preference"))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    assert len(batch["model_inputs"]) == batch["kl_input_ids"].shape[0] == 4
+    trainer.train()
+    assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)

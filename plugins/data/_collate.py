@@ -127,7 +127,7 @@ def row_token_logprobs(token_logprobs, model, batch: dict, prefix: str = "", **k
     the flat row, each statistic put back in its row). ``prefix`` selects keys (``"kl_"``)."""
     ids = batch[f"{prefix}input_ids"]
     if f"{prefix}position_ids" not in batch:
-        extra = model_inputs(batch) if not prefix else {}  # a VLM's pixel_values etc. (plait.vision)
+        extra = model_inputs(batch, prefix=prefix)  # a VLM's pixel_values etc. (plait.vision)
         return token_logprobs(model, ids, batch[f"{prefix}attention_mask"], **extra, **kwargs)
     out = token_logprobs(model, ids, position_ids=batch[f"{prefix}position_ids"], **kwargs)
     lengths, width = batch[f"{prefix}seq_lengths"], batch[f"{prefix}completion_mask"].shape[1]

@@ -27,6 +27,7 @@ from plait.data import prepare_dataset
 from plait.models import ReferenceSync
 from plait.objective import LossChoice, Objective
 from plait.params import positive
+from plait.vision import model_inputs
 from plait.plugins.data._collate import pad_multiple_field
 
 from ._reference import ReferenceTrainer
@@ -170,7 +171,8 @@ class KTOTrainer(ReferenceTrainer):
     # -- one step -----------------------------------------------------------------------------
     def completion_logps(self, model, inputs, prefix: str = "") -> torch.Tensor:
         """Summed log-probs of each row's completion, ``[B]`` (``prefix="kl_"``: the mismatched pairs)."""
-        out = self.token_logprobs(model, inputs[f"{prefix}input_ids"], inputs[f"{prefix}attention_mask"])
+        out = self.token_logprobs(model, inputs[f"{prefix}input_ids"], inputs[f"{prefix}attention_mask"],
+                                  **model_inputs(inputs, prefix=prefix))  # a VLM's images (plait.vision)
         return (out.logps * inputs[f"{prefix}completion_mask"]).sum(-1)
 
     def kl_logratios(self, model, inputs) -> torch.Tensor:
