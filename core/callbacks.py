@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, TrainerCallback
 
+from . import vision
 from .errors import PlaitError
 from .models import Reference, SyncReference
 
@@ -50,7 +51,9 @@ class LogCompletionsCallback(TrainerCallback):
     Prompts come from the evaluation dataset's ``prompt`` column (text or messages, rendered with
     the chat template as TRL does), else its ``prompt_ids``, else the beginning of each ``input_ids``
     row: its untrained prompt (a prompt-completion row after plait tokenised it), or the first half
-    of a row trained on every token (such as the text a ``formatting_func`` made).
+    of a row trained on every token (such as the text a ``formatting_func`` made). Rows with
+    ``images`` (a vision-language model's processor) generate with their images, and the table shows
+    each prompt's image size.
     ``generation_config`` defaults to the model's own, with ``max_new_tokens`` = 64 when it sets no
     length. Rows accumulate in ``.table`` (TRL's attribute) and are printed; wandb receives the
     table when ``report_to`` includes it.
@@ -67,13 +70,23 @@ class LogCompletionsCallback(TrainerCallback):
         self.table: list[list[str]] = []
         self._last_logged_step = -1
 
-    def _prompt_ids(self, tokenizer) -> list[list[int]]:
+    def _images(self, processing_class) -> list[list]:
+        """Each prompt's images (empty lists for text-only prompts or a text tokenizer)."""
+        data = self.eval_dataset
+        if "images" not in data.column_names or vision.image_processor_of(processing_class) is None:
+            return [[] for _ in range(len(data))]
+        return [vision.load_images(images) for images in data["images"]]
+
+    def _prompt_ids(self, tokenizer, processing_class=None) -> list[list[int]]:
+        from .chat import encode
         from .data_utils import maybe_apply_chat_template
 
         data = self.eval_dataset
         if "prompt" in data.column_names:
             texts = [maybe_apply_chat_template({"prompt": p}, tokenizer)["prompt"] for p in data["prompt"]]
-            return [tokenizer(text)["input_ids"] for text in texts]
+            images = self._images(processing_class)
+            return [encode(processing_class or tokenizer, text, special_tokens=True, images=im)
+                    for text, im in zip(texts, images)]
         if "prompt_ids" in data.column_names:
             return [list(ids) for ids in data["prompt_ids"]]
         if "input_ids" in data.column_names and "completion_mask" in data.column_names:
@@ -91,31 +104,44 @@ class LogCompletionsCallback(TrainerCallback):
         return config
 
     @torch.no_grad()
-    def completions(self, model, tokenizer, batch_size: int) -> tuple[list[str], list[str]]:
-        """(prompt texts, completion texts) of this process's share of the prompts."""
+    def completions(self, model, tokenizer, batch_size: int) -> tuple[list[str], list[str]] | tuple[list[str], list[str], list[str]]:
+        """(prompt texts, completion texts) of this process's share of the prompts, and their images'
+        descriptions when the prompts have images."""
         from .chat import tokenizer_of
 
-        tokenizer = tokenizer_of(tokenizer)
+        processing_class, tokenizer = tokenizer, tokenizer_of(tokenizer)
         accelerator = self.trainer.accelerator
         model = accelerator.unwrap_model(model)
         config = self._generation_config(model)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        prompts, completions = [], []
+        prompts, completions, sizes = [], [], []
+        images = self._images(processing_class)
+        with_images = any(images)
         was_training = model.training
         model.eval()
         try:
-            with accelerator.split_between_processes(self._prompt_ids(tokenizer)) as mine:
+            rows = list(zip(self._prompt_ids(tokenizer, processing_class), images))
+            with accelerator.split_between_processes(rows) as mine:
                 for start in range(0, len(mine), batch_size):
-                    batch = mine[start : start + batch_size]
+                    batch = [ids for ids, _ in mine[start : start + batch_size]]
                     width = max(map(len, batch))
                     ids = torch.tensor([[pad] * (width - len(r)) + r for r in batch], device=model.device)  # left pad
                     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in batch], device=model.device)
-                    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, pad_token_id=pad)
+                    shown = [im for _, im in mine[start : start + batch_size]]
+                    extra = {}
+                    if with_images:  # the prompts' pixel_values etc.; no image token is sampled
+                        inputs = vision.RowInputs(tuple(vision.image_inputs(processing_class, im) for im in shown),
+                                                  vision.marked_tokens(processing_class))
+                        extra = {**inputs.kwargs(model.device, ids),
+                                 "suppress_tokens": sorted(vision.image_token_ids(processing_class))}
+                        sizes += [vision.describe(im) if im else "" for im in shown]
+                    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, pad_token_id=pad,
+                                         **extra)
                     prompts += tokenizer.batch_decode(batch, skip_special_tokens=False)
                     completions += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
         finally:
             model.train(was_training)
-        return prompts, completions
+        return (prompts, completions, sizes) if with_images else (prompts, completions)
 
     def on_step_end(self, args, state, control, **kwargs):
         freq = self.freq or (state.eval_steps if args.eval_strategy != "no" else state.logging_steps)
@@ -126,13 +152,13 @@ class LogCompletionsCallback(TrainerCallback):
         from .online import format_table
 
         tokenizer = kwargs.get("processing_class") or self.trainer.processing_class
-        prompts, completions = self.completions(self.trainer.model_wrapped, tokenizer, args.per_device_eval_batch_size)
-        prompts, completions = gather_object(prompts), gather_object(completions)
+        columns_out = [gather_object(c) for c in self.completions(self.trainer.model_wrapped, tokenizer,
+                                                                      args.per_device_eval_batch_size)]
         self._last_logged_step = state.global_step
         if not self.trainer.accelerator.is_main_process:
             return
-        self.table += [[str(state.global_step), p, c] for p, c in zip(prompts, completions)]
-        columns = ["step", "prompt", "completion"]
+        self.table += [[str(state.global_step), *row] for row in zip(*columns_out)]
+        columns = ["step", "prompt", "completion", "image"][: 1 + len(columns_out)]
         print(format_table([dict(zip(columns, row)) for row in self.table if row[0] == str(state.global_step)]))
         if "wandb" in (args.report_to or []):
             import wandb

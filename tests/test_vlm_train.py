@@ -8,6 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from plait import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PlaitError, SFTConfig, SFTTrainer, make_plugins
 from plait.data import prepare_dataset
@@ -149,3 +150,17 @@ def test_kto_on_image_pairs_feeds_the_images_to_the_mismatched_pairs_too(tiny_vl
     assert len(batch["model_inputs"]) == batch["kl_input_ids"].shape[0] == 4
     trainer.train()
     assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
+
+
+def test_log_completions_callback_generates_with_the_prompt_images(tiny_vlm_path, tmp_path, capsys):
+    from plait import LogCompletionsCallback
+
+    args = SFTConfig(**common(tmp_path, max_steps=1, learning_rate=1e-3))
+    trainer = SFTTrainer(str(tiny_vlm_path), args=args, train_dataset=shapes_dataset(8),
+                         eval_dataset=shapes_dataset(2, seed=4))
+    callback = LogCompletionsCallback(trainer, GenerationConfig(max_new_tokens=3, do_sample=False), freq=1)
+    trainer.add_callback(callback)
+    trainer.train()
+    assert [row[3] for row in callback.table] == ["image 32x32", "image 32x32"]
+    assert callback.table[0][1].count("<image>") == 16  # the prompt, its image tokens expanded
+    assert "image 32x32" in capsys.readouterr().out
