@@ -551,6 +551,8 @@ def prepare_dataset(
         process, batched=True, with_indices=True, remove_columns=dataset.column_names, num_proc=num_proc,
         desc=f"plait: tokenising {component.name} for {task}",
     )
+    if fmt.multimodal and "images" in processed.column_names:  # encoded PIL images: decode them when read again
+        processed = processed.cast_column("images", datasets.List(datasets.Image()))
     return _apply_row_policies(processed, len(dataset), max_length, on_overlong, truncation_mode)
 
 

@@ -13,7 +13,7 @@ from plait import PlaitError, make_plugins
 from plait.data import detect_format, prepare_dataset
 from plait.logprobs import token_logprobs
 from plait.testing.tiny_vlm import draw, shapes_dataset, tiny_qwen2_vl
-from plait.vision import KEY, carry_mask, load_images, model_inputs
+from plait.vision import KEY, carry_mask, model_inputs
 
 N_IMAGE = 16  # 32x32 image, 8x8 patches
 
@@ -88,7 +88,7 @@ def test_images_may_be_paths_and_several_per_row(processor, tmp_path):
     out = prepare_dataset([row], processor, "language_modeling")[0]
     image_id = processor.image_token_id
     assert sum(t == image_id for t in out["input_ids"]) == 2 * N_IMAGE
-    assert [im.size for im in load_images(out["images"])] == [(32, 32), (32, 32)]
+    assert [im.size for im in out["images"]] == [(32, 32), (32, 32)]  # paths in, PIL images out
 
 
 def test_image_parts_are_added_to_the_first_user_turn_when_missing(processor):
@@ -194,3 +194,13 @@ def test_padding_free_batches_refuse_images(processor, plugins):
     data = prepare_dataset(shapes_dataset(2), processor, "language_modeling")
     with pytest.raises(PlaitError, match="padding_free=False and packing=False"):
         image_collate(plugins, processor, "collator.padding_free")([data[0], data[1]])
+
+
+def test_standard_rows_hold_the_image_token_themselves(processor):
+    image = [draw("circle", "red")]
+    out = prepare_dataset([{"prompt": "<image>What colour?", "completion": " red", "images": image}], processor,
+                          "language_modeling")[0]
+    assert out["input_ids"][:N_IMAGE] == [processor.image_token_id] * N_IMAGE
+    assert processor.tokenizer.decode([t for t, m in zip(out["input_ids"], out["completion_mask"]) if m]) == " red<|im_end|>"
+    with pytest.raises(PlaitError, match=r"cannot pair the text with its 1 image.*'<image>' in a string"):
+        prepare_dataset([{"prompt": "What colour?", "completion": " red", "images": image}], processor, "language_modeling")
