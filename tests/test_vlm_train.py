@@ -164,3 +164,21 @@ def test_log_completions_callback_generates_with_the_prompt_images(tiny_vlm_path
     assert [row[3] for row in callback.table] == ["image 32x32", "image 32x32"]
     assert callback.table[0][1].count("<image>") == 16  # the prompt, its image tokens expanded
     assert "image 32x32" in capsys.readouterr().out
+
+
+def test_grpo_with_a_reward_about_the_image_raises_it(tiny_vlm_path, tmp_path):
+    """From a briefly fine-tuned tiny VLM (40 SFT steps: it answers with a colour word, often the wrong
+    one), GRPO rewarded for naming the shape's colour raises that reward. Measured here: the mean
+    reward of the first 10 of 40 steps 0.23, of the last 10 0.43."""
+    sft = SFTTrainer(str(tiny_vlm_path), args=SFTConfig(**common(tmp_path / "sft", max_steps=40, learning_rate=3e-3)),
+                     train_dataset=shapes_dataset(200, seed=0))
+    sft.train()
+    args = GRPOConfig(**{**common(tmp_path / "grpo", max_steps=40, learning_rate=1e-3), "per_device_train_batch_size": 32,
+                         "logging_steps": 1}, num_generations=4, max_completion_length=6, beta=0.0, temperature=1.0)
+    trainer = GRPOTrainer(sft.model, reward_funcs=said_colour, processing_class=sft.processing_class, args=args,
+                          train_dataset=shapes_dataset(200, seed=5, kind="prompt_only"))
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    assert len(rewards) == 40
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.1, (first, last)
