@@ -23,6 +23,7 @@ ratio its clip metrics use. Nothing here names a concrete loss, reward, estimato
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 import numbers
@@ -402,6 +403,9 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
         if self._images and not self.backend_component.options.get("images"):
             raise PlaitError(f"the prompts hold images but {self.backend_component.name} cannot pass images to the model; "
                              "set use_vllm=False to sample with generation.transformers")
+        if self._images and "images" not in inspect.signature(type(self).generate).parameters:
+            raise PlaitError(f"the prompts hold images but {type(self).__name__} samples without them; train image "
+                             "prompts with GRPOTrainer (plait grpo)")
         self.reward_funcs = ((self._resolve_rewards(entries) if entries else [])
                              + ([self.agent.reward_function()] if owned else []))
         weights = p.reward_weights if p.reward_weights is None or not owned else [*p.reward_weights, 1.0]
@@ -519,7 +523,8 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
         images = inputs.get(vision.KEY)  # a VLM's per-row image inputs (plait.vision), aligned with the rows
 
         if self.agent is None:
-            generations = self.generate(prompt_ids, g, images)
+            # an override of generate (async GRPO's worker) that takes no images is called as before
+            generations = self.generate(prompt_ids, g) if images is None else self.generate(prompt_ids, g, images=images)
         else:  # tools, an environment or a rollout_func: multi-turn episodes (plait.rollouts)
             generations = self.agent.run(self, prompts, columns, g)
             prompt_ids, columns = generations.prompt_ids, {**columns, **self.agent.columns(generations)}

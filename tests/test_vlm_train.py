@@ -182,3 +182,12 @@ def test_grpo_with_a_reward_about_the_image_raises_it(tiny_vlm_path, tmp_path):
     assert len(rewards) == 40
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.1, (first, last)
+
+
+def test_async_grpo_refuses_image_prompts_before_loading(tmp_path):
+    from plait import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    args = AsyncGRPOConfig(**common(tmp_path, max_steps=1), num_generations=4)
+    with pytest.raises(PlaitError, match="AsyncGRPOTrainer samples without them"):
+        AsyncGRPOTrainer("/nonexistent-model", reward_funcs=said, args=args,
+                         train_dataset=shapes_dataset(4, kind="prompt_only"))
