@@ -23,7 +23,6 @@ ratio its clip metrics use. Nothing here names a concrete loss, reward, estimato
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import math
 import numbers
@@ -352,6 +351,7 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
     _reward_processing_classes = None
     _agent_args: dict = {}  # tools, environment_factory, rollout_func given to the constructor
     _images = False  # does the training data hold images (a VLM's prompts)?
+    takes_images = True  # generation and every forward get the prompts' images (plait.vision)
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
@@ -403,9 +403,6 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
         if self._images and not self.backend_component.options.get("images"):
             raise PlaitError(f"the prompts hold images but {self.backend_component.name} cannot pass images to the model; "
                              "set use_vllm=False to sample with generation.transformers")
-        if self._images and "images" not in inspect.signature(type(self).generate).parameters:
-            raise PlaitError(f"the prompts hold images but {type(self).__name__} samples without them; train image "
-                             "prompts with GRPOTrainer (plait grpo)")
         self.reward_funcs = ((self._resolve_rewards(entries) if entries else [])
                              + ([self.agent.reward_function()] if owned else []))
         weights = p.reward_weights if p.reward_weights is None or not owned else [*p.reward_weights, 1.0]

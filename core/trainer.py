@@ -30,7 +30,7 @@ from .config import config_fields
 from .errors import PlaitError
 from .launch import shard_on_cpu
 from .logprobs import token_logprobs
-from .vision import image_processor_of, limit_pixels
+from .vision import holds_images, image_processor_of, limit_pixels
 from .vision import model_inputs as model_inputs_of
 from .manager import Plugins, default_plugins
 from .model_card import CardDetails, write_model_card
@@ -54,6 +54,7 @@ class PlaitTrainer(Trainer):
     method: ClassVar[str]
     config_class: ClassVar[type]
     auto_model_class: ClassVar[type] = AutoModelForCausalLM  # what a model path is loaded as
+    takes_images: ClassVar[bool] = False  # do its forwards pass a VLM's image inputs (plait.vision)?
     # Does evaluation have logits and labels to hand compute_metrics (eval_predictions)? Not where rows are prompts.
     gives_eval_predictions: ClassVar[bool] = True
     # Does compute_loss call compute_loss_func(outputs, labels, num_items_in_batch) instead of the composed losses?
@@ -98,6 +99,7 @@ class PlaitTrainer(Trainer):
                                       preprocess_logits_for_metrics=preprocess_logits_for_metrics,
                                       compute_loss_func=compute_loss_func)
         self.compute_loss_func = compute_loss_func  # validate() may read it; Trainer.__init__ sets it again
+        self._refuse_images(train_dataset, eval_dataset)
         init_kwargs = with_quantization(model, getattr(args, "model_init_kwargs", None), quantization_config)
         # trust_remote_code holds for every from_pretrained below and for reward models validate() resolves
         with remote_code(args.trust_remote_code):
@@ -150,6 +152,14 @@ class PlaitTrainer(Trainer):
                 self._add_router_aux_loss(self._policy)  # the outermost policy: PEFT passes the request on
             self._offload_activations = args.activation_offloading and offloading_applies(args.device)
             self.after_init()
+
+    def _refuse_images(self, *datasets) -> None:
+        """Image rows for a method whose forwards do not pass images: refused before any model loads."""
+        if self.takes_images or not any(holds_images(d) for d in datasets if not isinstance(d, dict)):
+            return
+        able = sorted(c.name.split(".", 1)[1] for c in self.plugins.methods if getattr(c.obj.trainer, "takes_images", False))
+        raise PlaitError(f"the dataset has an 'images' column but {type(self).__name__} does not pass images to the "
+                         f"model; vision-language models train with: {', '.join(able)}")
 
     def _refuse_unused_arguments(self, **given) -> None:
         """transformers' Trainer arguments this method's loss or evaluation has no use for, refused by name."""

@@ -188,6 +188,28 @@ def test_async_grpo_refuses_image_prompts_before_loading(tmp_path):
     from plait import AsyncGRPOConfig, AsyncGRPOTrainer
 
     args = AsyncGRPOConfig(**common(tmp_path, max_steps=1), num_generations=4)
-    with pytest.raises(PlaitError, match="AsyncGRPOTrainer samples without them"):
+    with pytest.raises(PlaitError, match="AsyncGRPOTrainer does not pass images.*train with: cpo, dpo, grpo, kto, orpo, rloo, sft"):
         AsyncGRPOTrainer("/nonexistent-model", reward_funcs=said, args=args,
                          train_dataset=shapes_dataset(4, kind="prompt_only"))
+
+
+@pytest.mark.parametrize("name,kind", [("ORPO", "preference"), ("CPO", "preference"), ("RLOO", "prompt_only")])
+def test_other_methods_whose_forwards_pass_images_train_two_steps(tiny_vlm_path, tmp_path, name, kind):
+    import plait
+
+    extra = {"num_generations": 4, "max_completion_length": 4} if kind == "prompt_only" else {}
+    args = getattr(plait, f"{name}Config")(**{**common(tmp_path, max_steps=2, learning_rate=1e-3),
+                                              "per_device_train_batch_size": 4}, **extra)
+    rewards = {"reward_funcs": said_colour} if kind == "prompt_only" else {}
+    trainer = getattr(plait, f"{name}Trainer")(str(tiny_vlm_path), args=args, train_dataset=shapes_dataset(8, kind=kind),
+                                               **rewards)
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
+def test_a_method_that_cannot_pass_images_refuses_them_before_loading(tmp_path):
+    from plait import RewardConfig, RewardTrainer
+
+    with pytest.raises(PlaitError, match="RewardTrainer does not pass images to the model"):
+        RewardTrainer("/nonexistent-model", args=RewardConfig(**common(tmp_path, max_steps=1)),
+                      train_dataset=shapes_dataset(4, kind="preference"))

@@ -66,6 +66,7 @@ class PreferenceTrainer(PlaitTrainer):
     nll_loss: ClassVar[str]
     shared: ClassVar[tuple[str, ...]] = ("beta",)
     trains_on_prompt: ClassVar[bool] = False
+    takes_images = True  # ORPO, CPO: the forward is row_token_logprobs, which passes the rows' images
 
     def loss_specs(self, p) -> list[dict]:
         return p.loss_specs()

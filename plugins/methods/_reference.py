@@ -26,6 +26,8 @@ class ReferenceTrainer(PlaitTrainer):
     ``precompute_ref_log_probs``, ``precompute_ref_batch_size``, ``max_length``,
     ``truncation_mode`` and ``pad_to_multiple_of``."""
 
+    takes_images = True  # DPO and KTO: every forward (the reference's too) gets the rows' images
+
     def __init__(self, model, ref_model=None, args=None, **kwargs):
         super().__init__(model, args=args, ref_model=ref_model, **kwargs)
 

@@ -425,6 +425,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     method = "async_grpo"
     config_class = AsyncGRPOConfig
+    takes_images = False  # the rollout worker samples from token ids only
 
     def validate(self, args) -> None:
         super().validate(args)

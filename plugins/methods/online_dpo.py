@@ -139,6 +139,7 @@ class OnlineDPOTrainer(OnlineTrainer):
 
     method = "online_dpo"
     config_class = OnlineDPOConfig
+    takes_images = False  # its pair sampling and judges read text only
     loss_family = "dpo"
     _judge_spec = None  # the constructor's judge; a class default because validate() runs without __init__
 

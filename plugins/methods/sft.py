@@ -95,6 +95,7 @@ class SFTTrainer(PlaitTrainer):
     method = "sft"
     config_class = SFTConfig
     takes_compute_loss_func = True
+    takes_images = True
     formatting_func: Callable[[dict], str] | None = None
 
     def __init__(self, *args, formatting_func: Callable[[dict], str] | None = None, **kwargs):
