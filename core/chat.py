@@ -191,7 +191,10 @@ def join(prompt: list[dict], completion: list[dict]) -> list[dict]:
     """prompt + completion; a completion that starts in the assistant turn the prompt ends with continues it."""
     if prompt and completion and prompt[-1]["role"] == "assistant" and completion[0]["role"] == "assistant":
         merged = dict(prompt[-1])
-        merged["content"] = (prompt[-1].get("content") or "") + (completion[0].get("content") or "")
+        head, tail = prompt[-1].get("content") or "", completion[0].get("content") or ""
+        if isinstance(head, list) or isinstance(tail, list):  # content parts (vision-language data)
+            head, tail = (c if isinstance(c, list) else [{"type": "text", "text": c}] if c else [] for c in (head, tail))
+        merged["content"] = head + tail
         if completion[0].get("tool_calls"):
             merged["tool_calls"] = completion[0]["tool_calls"]
         return [*prompt[:-1], merged, *completion[1:]]

@@ -13,6 +13,7 @@ batch (or of some of its rows) to the model.
 from __future__ import annotations
 
 import io
+import weakref
 from typing import Any, Sequence
 
 import attrs
@@ -102,14 +103,22 @@ def encode(processing_class: Any, text: str, images: Sequence, *, special_tokens
     return [int(t) for t in out["input_ids"][0]]
 
 
+_counts: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
 def image_tokens(processing_class: Any, images: Sequence) -> int:
-    """How many image tokens ``images`` expand to (so truncation can tell when it would cut one)."""
+    """How many image tokens ``images`` expand to (so truncation can tell when it would cut one);
+    remembered per processor and image sizes, which is all the count depends on."""
     placeholder = getattr(processing_class, "image_token", None)
     if not images or not isinstance(placeholder, str):
         return 0
-    ids = encode(processing_class, placeholder * len(images), images, special_tokens=False)
-    wanted = image_token_ids(processing_class)
-    return sum(t in wanted for t in ids)
+    known = _counts.setdefault(processing_class, {})
+    key = tuple(getattr(im, "size", None) for im in images)
+    if key not in known:
+        ids = encode(processing_class, placeholder * len(images), images, special_tokens=False)
+        wanted = image_token_ids(processing_class)
+        known[key] = sum(t in wanted for t in ids)
+    return known[key]
 
 
 def limit_pixels(processing_class: Any, max_pixels: int | None) -> None:

@@ -204,3 +204,11 @@ def test_standard_rows_hold_the_image_token_themselves(processor):
     assert processor.tokenizer.decode([t for t, m in zip(out["input_ids"], out["completion_mask"]) if m]) == " red<|im_end|>"
     with pytest.raises(PlaitError, match=r"cannot pair the text with its 1 image.*'<image>' in a string"):
         prepare_dataset([{"prompt": "What colour?", "completion": " red", "images": image}], processor, "language_modeling")
+
+
+def test_a_prompt_ending_in_an_assistant_turn_with_parts_is_continued(processor):
+    row = {"prompt": [user(IMAGE, ASK), {"role": "assistant", "content": [{"type": "text", "text": "It is"}]}],
+           "completion": [{"role": "assistant", "content": " red"}], "images": [draw("circle", "red")]}
+    out = prepare_dataset([row], processor, "language_modeling")[0]
+    trained = [t for t, m in zip(out["input_ids"], out["completion_mask"]) if m]
+    assert processor.tokenizer.decode(trained) == " red<|im_end|>\n"  # completion-only: the turn as rendered
