@@ -1,7 +1,8 @@
 """plait and TRL 1.16 side by side: seconds per step, tokens per second and peak RSS per method.
 
     .venv-trl/bin/python benchmarks/trl_side_by_side.py [--methods sft,dpo,dpo_lora,kto,reward_model,grpo]
-        [--lengths 128,512] [--settings defaults,equal] [--steps 3] [--rounds 1] [--model FOLDER]
+        [--lengths 128,512] [--settings defaults,equal] [--steps 3] [--rounds 1] [--libraries plait,trl]
+        [--model FOLDER]
 
 Runs in the parity venv (`make test-parity` builds it: TRL 1.16 beside an editable plait), never in
 the main one. Each run is a fresh process (its peak RSS is its own) that builds the trainer with
@@ -166,6 +167,7 @@ def main() -> None:
     parser.add_argument("--settings", default="defaults,equal")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--libraries", default="plait,trl", help="e.g. trl alone where plait's defaults equal the equal setting")
     parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct via examples/smollm2.py)")
     parser.add_argument("--output_dir", default="/tmp/plait-trl-side-by-side")
     options = parser.parse_args()
@@ -187,7 +189,7 @@ def main() -> None:
         for method in options.methods.split(","):
             for length in map(int, options.lengths.split(",")):
                 for setting in options.settings.split(","):
-                    for library in ("plait", "trl"):
+                    for library in options.libraries.split(","):
                         spec = {"library": library, "method": method, "length": length, "setting": setting,
                                 "steps": options.steps, "model": model, "output_dir": options.output_dir}
                         runs.append(run(spec))
