@@ -16,7 +16,15 @@ os.environ.setdefault("PLAIT_CACHE_DIR", tempfile.mkdtemp(prefix="plait-test-cac
 # precision test would run another precision. Torch's kernels at AVX2 (its own switch, read when
 # torch loads, inherited by every subprocess) keep the default fp32 on any x86 box; bf16 itself is
 # tested with bf16=True (test_precision.py, test_logprobs.py).
-if platform.machine() in ("x86_64", "AMD64"):
+def _has_avx2() -> bool:  # torch takes the switch on trust: never name a level the CPU lacks
+    try:
+        with open("/proc/cpuinfo") as info:
+            return any(line.startswith("flags") and " avx2" in line for line in info)
+    except OSError:
+        return False
+
+
+if platform.machine() in ("x86_64", "AMD64") and _has_avx2():
     os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 
 import pytest  # noqa: E402
