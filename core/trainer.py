@@ -29,6 +29,7 @@ from . import __version__, preflight
 from .config import config_fields
 from .errors import PlaitError
 from .launch import shard_on_cpu
+from .attention import packs_per_sequence
 from .logprobs import token_logprobs
 from .vision import holds_images, image_processor_of, limit_pixels
 from .vision import model_inputs as model_inputs_of
@@ -125,6 +126,7 @@ class PlaitTrainer(Trainer):
                 for module in (model, *self.held_models()):
                     disable_dropout(module)
             self._policy = model  # the model before accelerate wraps it; datasets may need it (cached reference)
+            self.padding_free = self._padding_free(args, processing_class)
 
             train_dataset = self.prepare(train_dataset, processing_class, args, "train")
             if isinstance(eval_dataset, dict):
@@ -185,6 +187,20 @@ class PlaitTrainer(Trainer):
 
     def prepare(self, dataset, processing_class, args, split: str):
         return dataset
+
+    def wants_padding_free(self, args) -> bool | None:
+        """Whether batches put several sequences back to back in one row: True, False, or None for
+        "where the models' attention costs such a row no more than its sequences padded"
+        (:func:`plait.attention.packs_per_sequence`). ``make_collator`` reads the answer as
+        ``self.padding_free``."""
+        return False
+
+    def _padding_free(self, args, processing_class) -> bool:
+        wanted = self.wants_padding_free(args)
+        if wanted is False or (wanted is None and image_processor_of(processing_class) is not None):
+            return False  # image inputs follow their rows (plait.vision)
+        per_sequence = [packs_per_sequence(_bare(m)) for m in (self._policy, *self.held_models()) if _bare(m) is not None]
+        return bool(wanted) or all(per_sequence)
 
     def make_collator(self, processing_class, args):
         raise NotImplementedError
@@ -576,6 +592,12 @@ def router_aux_loss_coefficient(model: PreTrainedModel, coef: float | None) -> f
                              "that returns router logits, so there is no auxiliary loss to weigh; leave it unset")
         return 0.0
     return float(getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef)
+
+
+def _bare(module: torch.nn.Module) -> PreTrainedModel | None:
+    """The transformers model inside a PEFT wrapper (None for anything that is not one)."""
+    module = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return module if isinstance(module, PreTrainedModel) else None
 
 
 def _tied_copies(model: torch.nn.Module) -> set[str]:

@@ -141,6 +141,11 @@ class SFTTrainer(PlaitTrainer):
                 dataset = dataset.shuffle(seed=args.seed)
         return dataset
 
+    def wants_padding_free(self, args) -> bool:
+        p = args.params  # packed rows hold whole documents only under a padding-free strategy (bfd)
+        packs = (p.packing or p.eval_packing) and self.plugins.packing_strategies.get(p.packing_strategy, family="packing").options.get("padding_free")
+        return bool(p.padding_free or packs)
+
     def make_collator(self, processing_class, args):
         p = args.params
         flat, padded = (self.plugins.collators.get(name).obj(processing_class, pad_to_multiple_of=p.pad_to_multiple_of)

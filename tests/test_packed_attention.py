@@ -1,0 +1,111 @@
+"""plait_sdpa (plait.attention): a packed row attended one sequence at a time, so a padding-free
+batch costs Σ Lᵢ² attention pairs instead of N², with the outputs and gradients of sdpa's block mask;
+every other batch is plain sdpa. And where DPO turns padding-free batches on by itself."""
+
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings, strategies as st
+
+from plait.attention import packs_per_sequence
+from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
+from plait.testing.tiny_model import tiny_model_path
+
+CONFIG = transformers.LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+
+
+def model(attention="sdpa"):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(CONFIG, attn_implementation=attention).train()
+
+
+def packed(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 500, (1, sum(lengths)), generator=g)
+    return ids, torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+def output_and_gradients(m, ids, positions):
+    m.zero_grad()
+    hidden = m.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+    hidden.pow(2).mean().backward()
+    return hidden.detach(), {name: p.grad.clone() for name, p in m.named_parameters() if p.grad is not None}
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 24), min_size=1, max_size=6))
+def test_outputs_and_gradients_equal_sdpa_with_its_block_mask(lengths):
+    ids, positions = packed(lengths)
+    reference, ours = model(), model()
+    assert packs_per_sequence(ours) and ours.config._attn_implementation == "plait_sdpa"
+    expected, expected_grads = output_and_gradients(reference, ids, positions)
+    got, grads = output_and_gradients(ours, ids, positions)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_each_sequence_is_attended_alone_without_a_mask(monkeypatch):
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, **kwargs):
+        calls.append((query.shape[-2], key.shape[-2], attn_mask is None, kwargs.get("is_causal")))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    m = model()
+    packs_per_sequence(m)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    ids, positions = packed([7, 3, 1, 5])
+    with torch.no_grad():
+        m.model(input_ids=ids, position_ids=positions, use_cache=False)
+    # per layer: one causal call per sequence over its own tokens (a 1-token sequence needs no causality)
+    per_layer = [(7, 7, True, True), (3, 3, True, True), (1, 1, True, False), (5, 5, True, True)]
+    assert calls == per_layer * CONFIG.num_hidden_layers
+
+
+def test_padded_and_cached_batches_are_plain_sdpa():
+    reference, ours = model(), model()
+    packs_per_sequence(ours)
+    ids = torch.randint(3, 500, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding, as in generation
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids, attention_mask=mask).logits,
+                                   reference(input_ids=ids, attention_mask=mask).logits)
+        for m in (reference, ours):
+            m.eval()
+        generated = [m.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+                     for m in (reference, ours)]
+    assert torch.equal(*generated)
+
+
+def test_a_model_whose_attention_ignores_position_ids_stays_as_it_was(monkeypatch):
+    m = model()
+    # as an architecture that never hands position_ids to its attention layers
+    from plait import attention
+    monkeypatch.setattr(attention, "sequence_starts", lambda position_ids, length: None)
+    assert not packs_per_sequence(m)
+    assert m.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("attention, given, expected", [
+    ("sdpa", None, True),  # DPO's default: padding-free where attention runs per sequence
+    ("eager", None, False),  # eager's block mask costs the whole row squared: padded rows
+    ("eager", True, True),  # asked for: padding-free still, correct through the block mask
+    ("sdpa", False, False),
+])
+def test_dpo_turns_padding_free_on_where_attention_runs_per_sequence(tmp_path, attention, given, expected):
+    from datasets import Dataset
+
+    data = Dataset.from_list([{"prompt": "Tell me", "chosen": " apple river", "rejected": " stone"}] * 2)
+    args = DPOConfig(output_dir=str(tmp_path), report_to="none", padding_free=given,
+                     model_init_kwargs={"attn_implementation": attention})
+    t = DPOTrainer(str(tiny_model_path()), args=args, train_dataset=data)
+    assert t.padding_free is expected
+    batch = t.data_collator([t.train_dataset[0], t.train_dataset[1]])
+    assert batch["input_ids"].shape[0] == (1 if expected else 4)
+    attentions = {m.config._attn_implementation for m in t.held_models()}  # the policy and its reference copy
+    assert len(t.held_models()) == 2
+    assert attentions == ({"plait_sdpa"} if attention == "sdpa" and given is not False else {attention})
