@@ -115,7 +115,8 @@ def test_precomputed_reference_logps_match_and_are_cached(tmp_path, monkeypatch)
 
 
 def test_wpo_weights_follow_the_formula(tmp_path):
-    trainer = DPOTrainer(str(tiny_model_path()), args=config(tmp_path, use_weighting=True), train_dataset=preference_pairs(WORDS[:4]))
+    trainer = DPOTrainer(str(tiny_model_path()), args=config(tmp_path, use_weighting=True, padding_free=False),  # padded rows, read one by one
+                         train_dataset=preference_pairs(WORDS[:4]))
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     with torch.no_grad():
         out = token_logprobs(trainer.model, batch["input_ids"], batch["attention_mask"], with_collision=True, chunked=False)

@@ -70,7 +70,7 @@ def test_sampling_is_sequential_by_default_and_random_keeps_each_rows_partner(tm
     expected = sequential.data_collator(rows)
     assert first["kl_input_ids"].tolist() == expected["kl_input_ids"].tolist()
 
-    shuffled = trainer(tmp_path, pairs(WORDS[:4]), train_sampling_strategy="random")
+    shuffled = trainer(tmp_path, pairs(WORDS[:4]), train_sampling_strategy="random", padding_free=False)  # rows read one by one
     assert isinstance(shuffled._get_train_sampler(), RandomSampler)
     batch = next(iter(shuffled.get_train_dataloader()))
     data = shuffled.train_dataset
@@ -88,7 +88,7 @@ def test_long_rows_keep_their_start_and_stay(tmp_path):
         {"prompt": "one two three four", "completion": " a", "label": True},  # a 10-token prompt: dropped
         {"prompt": "Sky:", "completion": " the sky is blue and the sea is green", "label": False},  # 4 + 17
     ])
-    t = trainer(tmp_path, data, max_length=8, per_device_train_batch_size=2)
+    t = trainer(tmp_path, data, max_length=8, per_device_train_batch_size=2, padding_free=False)  # TRL's padded rows
     rows = [t.train_dataset[i] for i in range(len(t.train_dataset))]
     assert [(r["prompt_ids"], r["completion_ids"]) for r in rows] == [
         ([927, 262, 79, 93, 857], [225, 345, 93]),

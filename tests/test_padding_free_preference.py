@@ -1,5 +1,5 @@
-"""Padding-free preference batches (DPO): chosen and rejected sequences back to back in one row,
-positions restarting per sequence, no pad tokens; the losses and gradients equal the padded path."""
+"""Padding-free preference batches (DPO, KTO, the reward model): the sequences back to back in one
+row, positions restarting per sequence, no pad tokens; the losses and gradients equal the padded path."""
 
 import math
 import random
@@ -12,10 +12,13 @@ from hypothesis import given, settings, strategies as st
 from transformers import AutoTokenizer
 
 from plait import make_plugins
+from plait.attention import packs_per_sequence
 from plait.batches import PreferenceLogps
 from plait.logprobs import token_logprobs
 from plait.plugins.data._collate import row_token_logprobs, rows_from_flat
 from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
+from plait.plugins.methods.kto import KTOConfig, KTOTrainer
+from plait.plugins.methods.reward_model import RewardConfig, RewardTrainer
 from plait.testing.tiny_model import noisy_tiny_model, tiny_model_path
 
 TOK = AutoTokenizer.from_pretrained(tiny_model_path())
@@ -136,11 +139,14 @@ ARCHITECTURES = {
 }
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "plait_sdpa"])
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 def test_packed_rows_give_each_sequence_its_own_log_probs(architecture, attention):
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(ARCHITECTURES[architecture], attn_implementation=attention)
+    model = transformers.AutoModelForCausalLM.from_config(ARCHITECTURES[architecture],
+                                                          attn_implementation=attention.removeprefix("plait_"))
+    if attention == "plait_sdpa":
+        assert packs_per_sequence(model) and model.config._attn_implementation == "plait_sdpa"
     rng = random.Random(1)
     examples = [{"prompt_ids": [rng.randrange(5, 1000) for _ in range(rng.randint(1, 9))],
                  "chosen_ids": [rng.randrange(5, 1000) for _ in range(rng.randint(1, 12))],
@@ -168,3 +174,36 @@ def test_discopop_tau_reaches_the_loss(tmp_path):
     expected = (1 - m) * math.log1p(math.exp(-z)) + m * math.exp(-z)
     assert t.objective(batch)[0].item() == pytest.approx(expected, rel=1e-6)
     assert DPOConfig(output_dir=str(tmp_path)).discopop_tau == 0.05  # TRL 1.16's default
+
+
+def unpaired_rows(n, seed=0):
+    pairs = variable_pairs(n, seed)
+    return Dataset.from_list([{"prompt": r["prompt"], "completion": r["chosen" if i % 2 else "rejected"], "label": i % 2 == 1}
+                              for i, r in enumerate(pairs)])
+
+
+def kto_trainer(tmp_path, padding_free):
+    args = KTOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, report_to="none", save_strategy="no",
+                     max_length=64, padding_free=padding_free)
+    return KTOTrainer(str(tiny_model_path()), ref_model=noisy_tiny_model(scale=0.05), args=args,
+                      train_dataset=unpaired_rows(8))
+
+
+def reward_trainer(tmp_path, padding_free):
+    args = RewardConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, report_to="none", save_strategy="no",
+                        max_length=64, padding_free=padding_free, center_rewards_coefficient=0.01)
+    return RewardTrainer(str(tiny_model_path()), args=args, train_dataset=variable_pairs(8))
+
+
+@pytest.mark.parametrize("make", [kto_trainer, reward_trainer], ids=["kto", "reward_model"])
+def test_kto_and_reward_model_losses_and_gradients_equal_the_padded_path(tmp_path, make):
+    padded_loss, padded_grads, padded_batch = loss_and_gradients(make(tmp_path, False))
+    free_trainer = make(tmp_path, None)
+    assert free_trainer.padding_free  # the default, on the tiny Llama
+    free_loss, free_grads, free_batch = loss_and_gradients(free_trainer)
+    assert padded_batch["input_ids"].shape[0] > 1 and free_batch["input_ids"].shape[0] == 1
+    assert free_batch["input_ids"].numel() < 0.8 * padded_batch["input_ids"].numel()
+    torch.testing.assert_close(free_loss, padded_loss, atol=1e-5, rtol=0)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(free_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert any(grad.abs().max() > 1e-3 for grad in padded_grads.values())

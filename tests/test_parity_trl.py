@@ -392,7 +392,8 @@ def collated(trainer, keys):
 
 
 def test_dpo_default_truncation_collates_the_same_batch(tmp_path, tokenizer, reference):
-    theirs, ours = both_trainers(tmp_path, "DPO", reference, LONG_PAIRS, tokenizer, max_length=8)
+    # padded rows in both, to compare them row by row (plait's default packs them: test_packed_attention)
+    theirs, ours = both_trainers(tmp_path, "DPO", reference, LONG_PAIRS, tokenizer, max_length=8, padding_free=False)
     assert ours.args.truncation_mode == theirs.args.truncation_mode == "keep_start"
     keys = ("input_ids", "attention_mask", "completion_mask")
     assert len(ours.train_dataset) == len(theirs.train_dataset) == 2  # the 10-token prompt is dropped by both

@@ -88,16 +88,20 @@ def test_trained_folder_is_usable_as_a_reward(trained):
     assert (chosen > rejected).float().mean() > 0.9
 
 
-def test_loss_is_bradley_terry_with_margin_and_centring_on_the_last_real_token(tmp_path):
+@pytest.mark.parametrize("padding_free", [False, None], ids=["padded", "default: padding-free"])
+def test_loss_is_bradley_terry_with_margin_and_centring_on_the_last_real_token(tmp_path, padding_free):
     data = pairs(WORDS[:3]).add_column("margin", [0.5, -1.0, 2.0])
     data = data.map(lambda row, i: {"chosen": row["chosen"] + " Truly." * i}, with_indices=True)  # ragged lengths
-    trainer = RewardTrainer(str(tiny_model_path()), args=config(tmp_path, center_rewards_coefficient=0.01),
-                            train_dataset=data)
+    trainer = RewardTrainer(str(tiny_model_path()), train_dataset=data,
+                            args=config(tmp_path, center_rewards_coefficient=0.01, padding_free=padding_free))
     rows = [trainer.train_dataset[i] for i in range(3)]
     batch = trainer.data_collator(rows)
     assert batch["margin"].tolist() == [0.5, -1.0, 2.0]
-    assert (batch["input_ids"] == trainer.processing_class.pad_token_id).any()  # some rows are padded
-    # each padded row scores what the row alone scores: the head reads its last non-pad token
+    if padding_free is False:
+        assert (batch["input_ids"] == trainer.processing_class.pad_token_id).any()  # some rows are padded
+    else:  # the tiny Llama's attention runs per sequence: the 6 sequences back to back, no pad token
+        assert trainer.padding_free and batch["input_ids"].shape == (1, batch["seq_lengths"].sum())
+    # each row scores what the row alone scores: the head reads its last real token
     chosen = torch.tensor([single_reward(trainer.model, r["prompt_ids"] + r["chosen_ids"]) for r in rows])
     rejected = torch.tensor([single_reward(trainer.model, r["prompt_ids"] + r["rejected_ids"]) for r in rows])
     margin = torch.tensor([0.5, -1.0, 2.0])

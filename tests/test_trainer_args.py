@@ -136,7 +136,9 @@ def test_preference_compute_metrics_get_trls_predictions(tiny_model_path, tmp_pa
     assert dpo.evaluate()["eval_rows"] == 2 * len(PAIRS)
     logits, ids = got["dpo"].predictions, got["dpo"].label_ids  # TRL 1.16: the rows' logits and their input_ids
     assert logits.shape == (*ids.shape, dpo.model.config.vocab_size)
-    batch = dpo.data_collator([dpo.eval_dataset[i] for i in range(len(PAIRS))])
+    assert dpo.padding_free  # the default here: the rows are put back as TRL hands them out
+    padded = dpo.plugins.collators.get("collator.preference").obj(dpo.processing_class)
+    batch = padded([dpo.eval_dataset[i] for i in range(len(PAIRS))])
     assert (ids == batch["input_ids"].numpy()).all()  # chosen rows, then rejected rows
 
     with pytest.raises(PlaitError, match="DistillTrainer does not take compute_metrics: its evaluation rows are prompts"):

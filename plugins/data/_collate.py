@@ -100,6 +100,17 @@ def flat_documents(docs: Sequence[Sequence[int]], pad_id: int, multiple: int | N
     return {"input_ids": row_tensor(ids + [pad_id] * extra), "position_ids": row_tensor(positions + list(range(extra)))}, extra
 
 
+def flat_batch(ids: list[list[int]], masks: list[list[int]], pad_id: int, multiple: int | None, prefix: str = "") -> dict:
+    """The rows :func:`padded_batch` lays out, back to back in one row without padding: ``input_ids``
+    and ``position_ids`` ``[1, N]`` (:func:`flat_documents`), with ``seq_lengths`` ``[rows]`` and
+    ``completion_mask`` ``[rows, T]`` as the padded layout has it (right padded, no rounding), which is
+    where :func:`row_token_logprobs` puts each token's log-prob back (keys optionally prefixed)."""
+    batch, _ = flat_documents(ids, pad_id, multiple)
+    batch["seq_lengths"] = torch.tensor([len(row) for row in ids], dtype=torch.long)
+    batch["completion_mask"] = pad(masks, 0)
+    return {f"{prefix}{key}": value for key, value in batch.items()}
+
+
 def trained_mask(example: dict) -> list[int]:
     """Which tokens of a tokenised language-modelling row are trained on: its ``completion_mask``;
     else its ``labels``, -100 where not trained (a dataset tokenised elsewhere, e.g. for TRL with
@@ -111,13 +122,15 @@ def trained_mask(example: dict) -> list[int]:
     return [1] * len(example["input_ids"])
 
 
-def rows_from_flat(values: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """Per-token values of a padding-free row ``[1, N]`` laid out as right-padded rows
-    ``[len(lengths), width]``, 0 in the padding (the row's sequences in order; a rounding tail
-    beyond ``lengths.sum()`` is dropped). Gradients flow back to ``values``."""
+def rows_from_flat(values: torch.Tensor, lengths: torch.Tensor, width: int, fill: float = 0) -> torch.Tensor:
+    """Per-token values of a padding-free row ``[1, N, ...]`` laid out as right-padded rows
+    ``[len(lengths), width, ...]``, ``fill`` in the padding (the row's sequences in order; a rounding
+    tail beyond ``lengths.sum()`` is dropped). Gradients flow back to ``values``."""
     lengths = lengths.to(values.device)
     layout = torch.arange(width, device=values.device) < lengths[:, None]
-    return values.new_zeros(len(lengths), width).masked_scatter(layout, values[0, : int(lengths.sum())])
+    layout = layout.reshape(*layout.shape, *[1] * (values.dim() - 2))
+    rows = values.new_full((len(lengths), width, *values.shape[2:]), fill)
+    return rows.masked_scatter(layout, values[0, : int(lengths.sum())])
 
 
 def row_token_logprobs(token_logprobs, model, batch: dict, prefix: str = "", **kwargs):

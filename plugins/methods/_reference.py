@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from plait.models import Reference, SyncReference, cached_tensors
+from plait.plugins.data._collate import pad_token_id, rows_from_flat
 from plait.trainer import PlaitTrainer
 
 
@@ -45,6 +46,15 @@ class ReferenceTrainer(PlaitTrainer):
             self.reference.model = self.accelerator.prepare_model(self.reference.model, evaluation_mode=True)
         if self.args.params.sync_ref_model:
             self.add_callback(SyncReference(self.reference))
+
+    def eval_predictions(self, model, inputs):
+        """A padding-free batch's logits and ids put back in the rows TRL 1.16 hands ``compute_metrics``
+        (right padded with the pad id), so metrics read the same arrays whichever the layout."""
+        logits, ids = super().eval_predictions(model, inputs)
+        if "seq_lengths" not in inputs:
+            return logits, ids
+        lengths, width = inputs["seq_lengths"], inputs["completion_mask"].shape[1]
+        return rows_from_flat(logits, lengths, width), rows_from_flat(ids, lengths, width, pad_token_id(self.processing_class))
 
     def with_reference_logps(self, dataset, processing_class, args, columns: Sequence[str],
                              compute: Callable[[dict], Sequence[torch.Tensor]], **depends_on):

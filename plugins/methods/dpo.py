@@ -43,8 +43,9 @@ class DPOParams(ReferenceSync, LossChoice):
     max_length: int | None = 1024
     truncation_mode: str = "keep_start"
     pad_to_multiple_of: int | str | None = pad_multiple_field()
-    # chosen and rejected sequences back to back in one row, no padding (plait.plugins.data.collators.preference)
-    padding_free: bool = False
+    # chosen and rejected sequences back to back in one row, no padding (plait.plugins.data.collators.preference);
+    # None: where the models' attention runs per sequence (plait.attention; TRL 1.16 defaults False)
+    padding_free: bool | None = None
     # DiscoPOP's temperature (loss_type='discopop'; Lu et al. 2024)
     discopop_tau: float = attrs.field(default=0.05, validator=positive)
     precompute_ref_log_probs: bool = False
@@ -118,8 +119,11 @@ class DPOTrainer(ReferenceTrainer):
                 ld_alpha=p.ld_alpha)
         return dataset
 
+    def wants_padding_free(self, args) -> bool | None:
+        return args.params.padding_free
+
     def make_collator(self, processing_class, args):
-        name = "collator.preference_padding_free" if args.params.padding_free else "collator.preference"
+        name = "collator.preference_padding_free" if self.padding_free else "collator.preference"
         return self.plugins.collators.get(name).obj(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
 
     # -- one step -----------------------------------------------------------------------------

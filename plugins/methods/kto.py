@@ -27,8 +27,7 @@ from plait.data import prepare_dataset
 from plait.models import ReferenceSync
 from plait.objective import LossChoice, Objective
 from plait.params import positive
-from plait.vision import model_inputs
-from plait.plugins.data._collate import pad_multiple_field
+from plait.plugins.data._collate import pad_multiple_field, row_token_logprobs
 
 from ._reference import ReferenceTrainer
 
@@ -48,6 +47,9 @@ class KTOParams(ReferenceSync, LossChoice):
     max_length: int | None = attrs.field(default=1024, validator=attrs.validators.optional(positive))
     truncation_mode: str = "keep_start"
     pad_to_multiple_of: int | str | None = pad_multiple_field()
+    # plait's (TRL 1.16's KTOConfig has none): each side's sequences back to back in one row, no padding;
+    # None: where the models' attention runs per sequence (plait.attention)
+    padding_free: bool | None = None
     precompute_ref_log_probs: bool = False
     precompute_ref_batch_size: int | None = None
     model_init_kwargs: dict | None = None
@@ -164,15 +166,17 @@ class KTOTrainer(ReferenceTrainer):
             borrowed = [_fit(c, p.max_length - len(prompt), p.truncation_mode) for prompt, c in zip(prompts, borrowed)]
         return dataset.add_column("kl_completion_ids", borrowed)
 
+    def wants_padding_free(self, args) -> bool | None:
+        return args.params.padding_free
+
     def make_collator(self, processing_class, args):
-        factory = self.plugins.collators.get("collator.unpaired").obj
+        factory = self.plugins.collators.get("collator.unpaired_padding_free" if self.padding_free else "collator.unpaired").obj
         return factory(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
 
     # -- one step -----------------------------------------------------------------------------
     def completion_logps(self, model, inputs, prefix: str = "") -> torch.Tensor:
         """Summed log-probs of each row's completion, ``[B]`` (``prefix="kl_"``: the mismatched pairs)."""
-        out = self.token_logprobs(model, inputs[f"{prefix}input_ids"], inputs[f"{prefix}attention_mask"],
-                                  **model_inputs(inputs, prefix=prefix))  # a VLM's images (plait.vision)
+        out = row_token_logprobs(self.token_logprobs, model, inputs, prefix=prefix)  # padded or padding-free
         return (out.logps * inputs[f"{prefix}completion_mask"]).sum(-1)
 
     def kl_logratios(self, model, inputs) -> torch.Tensor:

@@ -15,6 +15,7 @@ import copy
 import logging
 
 import attrs
+import torch
 from transformers import AutoModelForSequenceClassification
 
 from plait import Method, PlaitError, hookimpl
@@ -41,6 +42,9 @@ class RewardParams(LossChoice):
     max_length: int | None = attrs.field(default=1024, validator=attrs.validators.optional(positive))
     truncation_mode: str | None = None
     pad_to_multiple_of: int | str | None = pad_multiple_field()
+    # plait's (TRL 1.16's RewardConfig has none): the 2B sequences back to back in one row, no padding;
+    # None: where the model's attention runs per sequence (plait.attention) and it has a score head
+    padding_free: bool | None = None
     model_init_kwargs: dict | None = None
     dataset_num_proc: int | None = None
 
@@ -92,6 +96,14 @@ def head_trainable(peft_config, task_type: str = "SEQ_CLS", who: str = "reward m
     return peft_config
 
 
+def score_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The per-token ``score`` layer of a decoder's sequence classifier (inside DDP and PEFT
+    wrappers; PEFT's trained copy of it), or None."""
+    model = getattr(model, "module", model)
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(model, "score", None)
+
+
 class RewardTrainer(PlaitTrainer):
     """Bradley-Terry reward modelling with ``reward_model.*`` losses composed by name."""
 
@@ -133,9 +145,15 @@ class RewardTrainer(PlaitTrainer):
                                   num_proc=p.dataset_num_proc)
         return drop_longer_pairs(dataset, p.max_length, split)
 
+    def wants_padding_free(self, args) -> bool | None:
+        wanted = args.params.padding_free
+        if wanted is not None or score_head(self._policy) is not None:
+            return wanted
+        return False  # a classifier without a per-token `score` head pools inside its forward
+
     def make_collator(self, processing_class, args):
-        factory = self.plugins.collators.get("collator.preference").obj
-        return factory(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
+        name = "collator.preference_padding_free" if self.padding_free else "collator.preference"
+        return self.plugins.collators.get(name).obj(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
 
     def after_init(self) -> None:
         # The classifier scores the last token that is not padding: it must know the pad id the
@@ -147,11 +165,27 @@ class RewardTrainer(PlaitTrainer):
     def eval_predictions(self, model, inputs):
         """As TRL 1.16 hands them to ``compute_metrics``: the scores ``[2B, 1]`` of the batch's rows
         (its chosen completions, then its rejected ones) and no labels."""
-        return model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False).logits, ()
+        return self.scores(model, inputs)[:, None], ()
+
+    @staticmethod
+    def scores(model, inputs) -> torch.Tensor:
+        """Each row's score ``[2B]``: the head read at the row's last token. Padded rows: the
+        classifier's own pooled output. A padding-free row: one forward, the head's per-token
+        output (caught on its way out) read where each sequence ends."""
+        if "position_ids" not in inputs:
+            return model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False).logits[:, 0]
+        per_token = []
+        catch = score_head(model).register_forward_hook(lambda module, args, output: per_token.append(output))
+        try:
+            model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False)
+        finally:
+            catch.remove()
+        ends = inputs["seq_lengths"].cumsum(0) - 1
+        return per_token[0][0, ends.to(per_token[0].device), 0]
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        rewards = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False)
-        chosen, rejected = rewards.logits[:, 0].float().chunk(2)
+        rewards = self.scores(model, inputs)
+        chosen, rejected = rewards.float().chunk(2)
         if "margin" in inputs:
             batch = PairwiseRewards(chosen, rejected, inputs["margin"].to(chosen.dtype))
         else:

@@ -11,7 +11,7 @@ import torch
 
 from plait import hookimpl
 
-from .._collate import check_multiple, flat_documents, pad, pad_token_id, padded_batch, sequences
+from .._collate import check_multiple, flat_batch, pad_token_id, padded_batch, sequences
 
 PASSTHROUGH = ("ref_chosen_logps", "ref_rejected_logps", "margin")
 
@@ -60,11 +60,7 @@ def preference_padding_free_collator(processing_class, *, pad_to_multiple_of=Non
     pad_id, multiple = pad_token_id(processing_class), check_multiple(pad_to_multiple_of)
 
     def collate(examples):
-        ids, masks = _sequences(examples)
-        batch, _ = flat_documents(ids, pad_id, multiple)
-        batch["seq_lengths"] = torch.tensor([len(row) for row in ids], dtype=torch.long)
-        batch["completion_mask"] = pad(masks, 0)
-        return _add_passthrough(batch, examples, passthrough)
+        return _add_passthrough(flat_batch(*_sequences(examples), pad_id, multiple), examples, passthrough)
 
     return collate
 
