@@ -54,10 +54,11 @@ def sequence_sdpa_attention(module, query, key, value, attention_mask, position_
 
 
 def sequence_sdpa_mask(*, attention_mask=None, q_length, kv_length, q_offset=0, kv_offset=0, config=None, **kwargs):
-    """No mask where the attention above needs none: no padding, no cache, no sliding window.
-    Everywhere else ``sdpa``'s mask."""
+    """No mask where the attention above needs none: no padding, no cache, no sliding window or
+    attention chunks (whose patterns only a mask carries). Everywhere else ``sdpa``'s mask."""
     fresh = attention_mask is None and q_length == kv_length and not q_offset and not kv_offset
-    if fresh and getattr(config, "sliding_window", None) is None:
+    local = getattr(config, "sliding_window", None) is not None or getattr(config, "attention_chunk_size", None) is not None
+    if fresh and not local:
         return None
     return sdpa_mask(attention_mask=attention_mask, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, config=config, **kwargs)
