@@ -189,13 +189,28 @@ def kto_trainer(tmp_path, padding_free):
                       train_dataset=unpaired_rows(8))
 
 
-def reward_trainer(tmp_path, padding_free):
+def reward_trainer(tmp_path, padding_free, **overrides):
     args = RewardConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, report_to="none", save_strategy="no",
-                        max_length=64, padding_free=padding_free, center_rewards_coefficient=0.01)
+                        max_length=64, padding_free=padding_free, center_rewards_coefficient=0.01, **overrides)
     return RewardTrainer(str(tiny_model_path()), args=args, train_dataset=variable_pairs(8))
 
 
-@pytest.mark.parametrize("make", [kto_trainer, reward_trainer], ids=["kto", "reward_model"])
+def reward_trainer_eos_as_pad(tmp_path, padding_free):
+    # SmolLM2's case: EOS is the pad token, so the classifier reads the token before each row's EOS
+    return reward_trainer(tmp_path, padding_free, pad_token="<|im_end|>")
+
+
+def test_reward_pooled_positions_by_hand():
+    from plait.plugins.methods.reward_model import pooled_positions
+
+    ids = torch.tensor([5, 6, 2, 7, 2, 2, 8, 9, 2])  # sequences [5 6 2] [7 2] [2] [8 9 2 ...] of lengths 3, 2, 1, 3
+    lengths = torch.tensor([3, 2, 1, 3])
+    assert pooled_positions(ids, lengths, pad_id=2).tolist() == [1, 3, 5, 7]  # an all-pad sequence: its first token
+    assert pooled_positions(ids, lengths, pad_id=None).tolist() == [2, 4, 5, 8]
+
+
+@pytest.mark.parametrize("make", [kto_trainer, reward_trainer, reward_trainer_eos_as_pad],
+                         ids=["kto", "reward_model", "reward_model, EOS as pad"])
 def test_kto_and_reward_model_losses_and_gradients_equal_the_padded_path(tmp_path, make):
     padded_loss, padded_grads, padded_batch = loss_and_gradients(make(tmp_path, False))
     free_trainer = make(tmp_path, None)

@@ -96,6 +96,18 @@ def head_trainable(peft_config, task_type: str = "SEQ_CLS", who: str = "reward m
     return peft_config
 
 
+def pooled_positions(ids: torch.Tensor, lengths: torch.Tensor, pad_id: int | None) -> torch.Tensor:
+    """For each sequence of a padding-free row ``ids`` ``[N]``, the position its classifier reads:
+    its last token that is not ``pad_id`` (its first when all are), as transformers pools padded rows."""
+    lengths = lengths.to(ids.device)
+    starts = lengths.cumsum(0) - lengths
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=ids.device), lengths)
+    offset = torch.arange(len(sequence), device=ids.device) - starts[sequence]
+    readable = offset if pad_id is None else torch.where(ids[: len(sequence)] != pad_id, offset, 0)
+    last = torch.zeros_like(lengths).scatter_reduce(0, sequence, readable, "amax")
+    return starts + last
+
+
 def score_head(model: torch.nn.Module) -> torch.nn.Module | None:
     """The per-token ``score`` layer of a decoder's sequence classifier (inside DDP and PEFT
     wrappers; PEFT's trained copy of it), or None."""
@@ -167,11 +179,11 @@ class RewardTrainer(PlaitTrainer):
         (its chosen completions, then its rejected ones) and no labels."""
         return self.scores(model, inputs)[:, None], ()
 
-    @staticmethod
-    def scores(model, inputs) -> torch.Tensor:
-        """Each row's score ``[2B]``: the head read at the row's last token. Padded rows: the
-        classifier's own pooled output. A padding-free row: one forward, the head's per-token
-        output (caught on its way out) read where each sequence ends."""
+    def scores(self, model, inputs) -> torch.Tensor:
+        """Each row's score ``[2B]``: the head read at the row's last token that is not the pad id
+        (transformers' pooling, which skips a trailing EOS where EOS is the pad token, as SmolLM2's
+        is). Padded rows: the classifier's own pooled output. A padding-free row: one forward, the
+        head's per-token output (caught on its way out) read at that token of each sequence."""
         if "position_ids" not in inputs:
             return model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False).logits[:, 0]
         per_token = []
@@ -180,8 +192,8 @@ class RewardTrainer(PlaitTrainer):
             model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False)
         finally:
             catch.remove()
-        ends = inputs["seq_lengths"].cumsum(0) - 1
-        return per_token[0][0, ends.to(per_token[0].device), 0]
+        scored = pooled_positions(inputs["input_ids"][0], inputs["seq_lengths"], self._policy.config.get_text_config().pad_token_id)
+        return per_token[0][0, scored.to(per_token[0].device), 0]
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         rewards = self.scores(model, inputs)
