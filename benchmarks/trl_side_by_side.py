@@ -19,8 +19,10 @@ The model is SmolLM2-135M-Instruct (``examples/smollm2.py`` converts it once fro
 wheel) unless ``--model`` names another folder. Rows are built from single-token words so every row
 tokenises to exactly the asked length: SFT rows of ``L`` tokens; preference rows of an ``L/2``-token
 prompt and ``L/2``-token completions; GRPO prompts of ``L`` tokens with 4 completions of 32 new
-tokens (batch 4 prompts' completions, one group). Writes benchmarks/results/trl_side_by_side.json
-and prints the table.
+tokens (batch 4 prompts' completions, one group). ``--ragged`` draws each part's length at random
+up to those sizes instead, as real data has them, so padded batches carry padding and plait's
+padding-free default drops it. Writes benchmarks/results/trl_side_by_side.json (``--ragged``:
+trl_side_by_side_ragged.json) and prints the table.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ BATCH, GENERATIONS, NEW_TOKENS = 4, 4, 32
 def single_token_words(tokenizer, n: int = 400) -> list[str]:
     """Words that are one token each with their leading space, so k of them are k tokens."""
     words = []
-    for token in tokenizer.get_vocab():
+    for token, _ in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]):  # by id: the same words in every process
         text = tokenizer.convert_tokens_to_string([token])
         if text.startswith(" ") and text[1:].isalpha() and len(text) > 3 and tokenizer(text)["input_ids"] == [tokenizer.get_vocab()[token]]:
             words.append(text)
@@ -55,27 +57,37 @@ def single_token_words(tokenizer, n: int = 400) -> list[str]:
     return sorted(words)
 
 
-def rows(method: str, length: int, tokenizer, count: int) -> list[dict]:
+def rows(method: str, length: int, tokenizer, count: int, ragged: bool = False) -> list[dict]:
+    """``count`` rows of ``length`` tokens each; ``ragged``: each part's length drawn uniformly up to
+    its full size (from 1/8 of it for prompts), as real preference data is, so padded rows pad."""
     rng = random.Random(0)
     words = single_token_words(tokenizer)
     text = lambda k: "".join(rng.choice(words) for _ in range(k)).lstrip()  # noqa: E731 (lstrip: 1 token less)
+    size = (lambda k, low=1: rng.randint(max(low, 1), k)) if ragged else (lambda k, low=1: k)  # noqa: E731
     half = length // 2
     if method == "sft":
-        return [{"text": text(length - 1)} for _ in range(count)]  # + EOS
+        return [{"text": text(size(length - 1, length // 8))} for _ in range(count)]  # + EOS
     if method in ("dpo", "dpo_lora", "reward_model"):
-        return [{"prompt": text(half), "chosen": " " + text(half - 2), "rejected": " " + text(half - 2)}
-                for _ in range(count)]
+        return [{"prompt": text(size(half, half // 4)), "chosen": " " + text(size(half - 2)),
+                 "rejected": " " + text(size(half - 2))} for _ in range(count)]
     if method == "kto":
-        return [{"prompt": text(half), "completion": " " + text(half - 2), "label": i % 2 == 0} for i in range(count)]
+        return [{"prompt": text(size(half, half // 4)), "completion": " " + text(size(half - 2)), "label": i % 2 == 0}
+                for i in range(count)]
     return [{"prompt": text(length)} for _ in range(count)]
 
 
-def tokens_per_step(method: str, length: int) -> int:
-    if method in ("dpo", "dpo_lora", "reward_model"):
-        return 2 * BATCH * length  # chosen and rejected rows
-    if method == "grpo":
-        return BATCH * (length + NEW_TOKENS)
-    return BATCH * length
+def tokens_per_step(method: str, data: list[dict]) -> float:
+    """Tokens a step's forward reads, on average over the rows (single-token words: words are tokens)."""
+    words = lambda text: len(text.split())  # noqa: E731
+    if method in ("dpo", "dpo_lora", "reward_model"):  # the chosen and the rejected row, + EOS each
+        per_row = [2 * words(r["prompt"]) + words(r["chosen"]) + words(r["rejected"]) + 2 for r in data]
+    elif method == "kto":
+        per_row = [words(r["prompt"]) + words(r["completion"]) + 1 for r in data]
+    elif method == "grpo":
+        return BATCH * (words(data[0]["prompt"]) + NEW_TOKENS)
+    else:
+        per_row = [words(r["text"]) + 1 for r in data]
+    return BATCH * sum(per_row) / len(per_row)
 
 
 def length_reward(completions, **kwargs):
@@ -105,7 +117,8 @@ def worker(spec: dict) -> dict:
         args.update(max_length=length)
     config = getattr(library, f"{CONFIG[method]}Config")(**args)
     trainer_cls = getattr(library, f"{CONFIG[method]}Trainer")
-    data = Dataset.from_list(rows(method, length, tokenizer, BATCH * (steps + 1)))
+    listed = rows(method, length, tokenizer, BATCH * (steps + 1), ragged=spec.get("ragged", False))
+    data = Dataset.from_list(listed)
     kwargs = dict(model=spec["model"], args=config, train_dataset=data, processing_class=tokenizer)
     if method == "grpo":
         kwargs["reward_funcs"] = length_reward
@@ -123,7 +136,7 @@ def worker(spec: dict) -> dict:
     trainer.add_callback(Clock())
     trainer.train()
     seconds = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
-    return {"s_per_step": seconds, "tokens_per_s": tokens_per_step(method, length) / seconds,
+    return {"s_per_step": seconds, "tokens_per_s": tokens_per_step(method, listed) / seconds,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "bf16": bool(trainer.args.bf16), "gradient_checkpointing": bool(trainer.args.gradient_checkpointing)}
 
@@ -142,11 +155,18 @@ def summary(runs: list[dict]) -> dict:
     """Per method, length and setting: TRL's s/step over plait's (> 1: plait faster) and plait's peak RSS over TRL's."""
     table = {}
     for run_ in runs:
-        key = f"{run_['method']}@{run_['length']}/{run_['setting']}"
+        key = f"{run_['method']}@{run_['length']}{'/ragged' if run_.get('ragged') else ''}/{run_['setting']}"
         table.setdefault(key, {}).setdefault(run_["library"], []).append(run_)
     out = {}
     for key, by_lib in table.items():
         ok = {lib: [r for r in rs if "error" not in r] for lib, rs in by_lib.items()}
+        note = None
+        if key.endswith("/defaults") and not ok.get("plait"):
+            # plait's defaults on a CPU without bf16 units are the equal setting (fp32, no checkpointing)
+            same = [r for r in table.get(key.replace("/defaults", "/equal"), {}).get("plait", [])
+                    if "error" not in r and not r["bf16"] and not r["gradient_checkpointing"]]
+            if same:
+                ok["plait"], note = same, "plait's defaults on this CPU are its equal-setting run (fp32, no checkpointing)"
         if not (ok.get("trl") and ok.get("plait")):
             out[key] = {lib: [r.get("error") for r in rs if "error" in r] for lib, rs in by_lib.items()}
             continue
@@ -156,6 +176,8 @@ def summary(runs: list[dict]) -> dict:
                     "plait_tokens_per_s": mean(ok["plait"], "tokens_per_s"),
                     "memory_ratio": mean(ok["plait"], "peak_rss_mib") / mean(ok["trl"], "peak_rss_mib"),
                     "load_1min": [round(r["load_1min"], 1) for rs in ok.values() for r in rs]}
+        if note:
+            out[key]["note"] = note
     return out
 
 
@@ -168,6 +190,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--libraries", default="plait,trl", help="e.g. trl alone where plait's defaults equal the equal setting")
+    parser.add_argument("--ragged", action="store_true", help="rows of random lengths up to --lengths, as real data")
     parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct via examples/smollm2.py)")
     parser.add_argument("--output_dir", default="/tmp/plait-trl-side-by-side")
     options = parser.parse_args()
@@ -191,14 +214,26 @@ def main() -> None:
                 for setting in options.settings.split(","):
                     for library in options.libraries.split(","):
                         spec = {"library": library, "method": method, "length": length, "setting": setting,
-                                "steps": options.steps, "model": model, "output_dir": options.output_dir}
+                                "steps": options.steps, "model": model, "output_dir": options.output_dir,
+                                "ragged": options.ragged}
                         runs.append(run(spec))
                         print(json.dumps(runs[-1]), flush=True)
-    table = summary(runs)
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"model": model, "cores": os.cpu_count(), "summary": table, "runs": runs}, indent=1))
+    results = RESULTS.with_name("trl_side_by_side_ragged.json") if options.ragged else RESULTS
+    # earlier runs of other methods, lengths or settings stay in the file; these replace their own
+    ran = {identity(r) for r in runs}
+    earlier = json.loads(results.read_text()) if results.exists() else {}
+    kept = [r for r in earlier.get("runs", []) if identity(r) not in ran]
+    commands = [c for c in earlier.get("commands", [earlier.get("command")]) if c] + [" ".join(sys.argv[1:])]
+    table = summary(kept + runs)
+    results.write_text(json.dumps({"model": model, "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+                                   "commands": commands, "summary": table, "runs": kept + runs}, indent=1))
     for key, row in table.items():
         print(key, json.dumps(row))
+
+
+def identity(run_: dict) -> tuple:
+    return tuple(run_.get(k) for k in ("library", "method", "length", "setting")) + (bool(run_.get("ragged")),)
 
 
 if __name__ == "__main__":
