@@ -620,4 +620,10 @@ def run_method(name: str, method, args: argparse.Namespace, plugins: Plugins) ->
         command = [name, *(["--config", str(Path(args.config).resolve())] if args.config else []), *args.extra]
         return launch(command, num_processes, accelerate_config)
     run(config, plugins)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # one of a launch's processes: leave the group before the interpreter exits, or gloo's
+        # threads can outlive it and abort the process ("terminate called without an active exception")
+        dist.destroy_process_group()
     return 0
