@@ -376,13 +376,14 @@ LONG_PAIRS = Dataset.from_list([
 ])
 
 
-def both_trainers(tmp_path, name, model, data, tokenizer, **config):
-    """(TRL's trainer, plait's) for method ``name`` ("DPO", "KTO", "Reward") on the same data and config."""
+def both_trainers(tmp_path, name, model, data, tokenizer, plait_only=None, **config):
+    """(TRL's trainer, plait's) for method ``name`` ("DPO", "KTO", "Reward") on the same data and config
+    (``plait_only``: fields TRL's config lacks)."""
     modules = {"DPO": plait_dpo, "KTO": plait_kto, "Reward": plait_rm}
     args = {**common_args(tmp_path), **config}
     return [getattr(module, f"{name}Trainer")(model=copy.deepcopy(model), train_dataset=data, processing_class=tokenizer,
-                                              args=getattr(module, f"{name}Config")(**args))
-            for module in (trl, modules[name])]
+                                              args=getattr(module, f"{name}Config")(**args, **(extra or {})))
+            for module, extra in ((trl, None), (modules[name], plait_only))]
 
 
 def collated(trainer, keys):
@@ -403,7 +404,8 @@ def test_dpo_default_truncation_collates_the_same_batch(tmp_path, tokenizer, ref
 def test_reward_model_drops_pairs_longer_than_max_length(tmp_path, tokenizer):
     head = AutoModelForSequenceClassification.from_pretrained(tiny_model_path(), num_labels=1)
     head.config.pad_token_id = tokenizer.pad_token_id
-    theirs, ours = both_trainers(tmp_path, "Reward", head, LONG_PAIRS, tokenizer, max_length=8)
+    theirs, ours = both_trainers(tmp_path, "Reward", head, LONG_PAIRS, tokenizer, max_length=8,
+                                 plait_only={"padding_free": False})  # padded rows, compared row by row
     assert collated(ours, ("input_ids", "attention_mask")) == collated(theirs, ("input_ids", "attention_mask"))
     assert len(ours.train_dataset) == 1
 
@@ -413,7 +415,7 @@ def test_kto_truncation_keeps_the_start_and_the_row(tmp_path, tokenizer, referen
                               {"prompt": "Sky:", "completion": " red", "label": False},
                               {"prompt": "one two three four", "completion": " a", "label": True}])
     theirs, ours = both_trainers(tmp_path, "KTO", reference, data, tokenizer, max_length=8,
-                                 per_device_train_batch_size=2)
+                                 per_device_train_batch_size=2, plait_only={"padding_free": False})  # padded rows
     assert collated(ours, ("input_ids", "attention_mask", "completion_mask", "label")) == \
         collated(theirs, ("input_ids", "attention_mask", "completion_mask", "label"))
     # the mismatched pair of row 0 (whose partner's completion fits) is the same sequence
