@@ -11,7 +11,7 @@ from datasets import Dataset
 from hypothesis import given, settings, strategies as st
 from transformers import AutoTokenizer
 
-from plait import make_plugins
+from plait import PlaitError, make_plugins
 from plait.attention import packs_per_sequence
 from plait.batches import PreferenceLogps
 from plait.logprobs import token_logprobs
@@ -222,3 +222,18 @@ def test_kto_and_reward_model_losses_and_gradients_equal_the_padded_path(tmp_pat
     for name, grad in padded_grads.items():
         torch.testing.assert_close(free_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
     assert any(grad.abs().max() > 1e-3 for grad in padded_grads.values())
+
+
+def test_reward_model_padding_free_needs_a_per_token_score_head(tmp_path):
+    config = transformers.BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, num_labels=1, pad_token_id=0)
+    head = transformers.BertForSequenceClassification(config)  # pools through `classifier`, inside its forward
+    assert reward_trainer_with(tmp_path, head, None).padding_free is False
+    with pytest.raises(PlaitError, match=r"padding_free=True needs a classifier with a per-token `score` head; "
+                                         r"BertForSequenceClassification has none: set padding_free=False"):
+        reward_trainer_with(tmp_path, head, True)
+
+
+def reward_trainer_with(tmp_path, model, padding_free):
+    args = RewardConfig(output_dir=str(tmp_path), report_to="none", max_length=64, padding_free=padding_free)
+    return RewardTrainer(model, args=args, train_dataset=variable_pairs(2), processing_class=TOK)

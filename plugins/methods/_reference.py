@@ -47,6 +47,9 @@ class ReferenceTrainer(PlaitTrainer):
         if self.args.params.sync_ref_model:
             self.add_callback(SyncReference(self.reference))
 
+    def wants_padding_free(self, args) -> bool | None:
+        return args.params.padding_free  # DPO's and KTO's field
+
     def eval_predictions(self, model, inputs):
         """A padding-free batch's logits and ids put back in the rows TRL 1.16 hands ``compute_metrics``
         (right padded with the pad id), so metrics read the same arrays whichever the layout."""

@@ -119,9 +119,6 @@ class DPOTrainer(ReferenceTrainer):
                 ld_alpha=p.ld_alpha)
         return dataset
 
-    def wants_padding_free(self, args) -> bool | None:
-        return args.params.padding_free
-
     def make_collator(self, processing_class, args):
         name = "collator.preference_padding_free" if self.padding_free else "collator.preference"
         return self.plugins.collators.get(name).obj(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)

@@ -166,9 +166,6 @@ class KTOTrainer(ReferenceTrainer):
             borrowed = [_fit(c, p.max_length - len(prompt), p.truncation_mode) for prompt, c in zip(prompts, borrowed)]
         return dataset.add_column("kl_completion_ids", borrowed)
 
-    def wants_padding_free(self, args) -> bool | None:
-        return args.params.padding_free
-
     def make_collator(self, processing_class, args):
         factory = self.plugins.collators.get("collator.unpaired_padding_free" if self.padding_free else "collator.unpaired").obj
         return factory(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)

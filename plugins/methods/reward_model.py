@@ -159,9 +159,12 @@ class RewardTrainer(PlaitTrainer):
 
     def wants_padding_free(self, args) -> bool | None:
         wanted = args.params.padding_free
-        if wanted is not None or score_head(self._policy) is not None:
+        if score_head(self._policy) is not None:
             return wanted
-        return False  # a classifier without a per-token `score` head pools inside its forward
+        if wanted:  # its per-token scores are what a packed row's sequences are read from
+            raise PlaitError(f"padding_free=True needs a classifier with a per-token `score` head; "
+                             f"{type(self._policy).__name__} has none: set padding_free=False")
+        return False  # a classifier without one pools inside its forward
 
     def make_collator(self, processing_class, args):
         name = "collator.preference_padding_free" if self.padding_free else "collator.preference"
