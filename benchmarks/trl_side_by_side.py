@@ -21,7 +21,8 @@ tokenises to exactly the asked length: SFT rows of ``L`` tokens; preference rows
 prompt and ``L/2``-token completions; GRPO prompts of ``L`` tokens with 4 completions of 32 new
 tokens (batch 4 prompts' completions, one group). ``--ragged`` draws each part's length at random
 up to those sizes instead, as real data has them, so padded batches carry padding and plait's
-padding-free default drops it. Writes benchmarks/results/trl_side_by_side.json (``--ragged``:
+padding-free default drops it; ragged GRPO steps hold two groups (two prompts of different lengths,
+8 completions) so its prompts pad too. Writes benchmarks/results/trl_side_by_side.json (``--ragged``:
 trl_side_by_side_ragged.json) and prints the table.
 """
 
@@ -73,7 +74,7 @@ def rows(method: str, length: int, tokenizer, count: int, ragged: bool = False) 
     if method == "kto":
         return [{"prompt": text(size(half, half // 4)), "completion": " " + text(size(half - 2)), "label": i % 2 == 0}
                 for i in range(count)]
-    return [{"prompt": text(length)} for _ in range(count)]
+    return [{"prompt": text(size(length, length // 8))} for _ in range(count)]
 
 
 def tokens_per_step(method: str, data: list[dict]) -> float:
@@ -83,8 +84,8 @@ def tokens_per_step(method: str, data: list[dict]) -> float:
         per_row = [2 * words(r["prompt"]) + words(r["chosen"]) + words(r["rejected"]) + 2 for r in data]
     elif method == "kto":
         per_row = [words(r["prompt"]) + words(r["completion"]) + 1 for r in data]
-    elif method == "grpo":
-        return BATCH * (words(data[0]["prompt"]) + NEW_TOKENS)
+    elif method == "grpo":  # a group's prompt, once per completion, BATCH completions a group
+        per_row = [words(r["prompt"]) + NEW_TOKENS for r in data]
     else:
         per_row = [words(r["text"]) + 1 for r in data]
     return BATCH * sum(per_row) / len(per_row)
@@ -110,9 +111,10 @@ def worker(spec: dict) -> dict:
         args.update(bf16=False, gradient_checkpointing=False)
     if spec["library"] == "trl":
         args.update(use_cpu=True)  # TRL's bf16 default is refused on a CPU without it
+    groups = grpo_groups(spec) if method == "grpo" else 1  # batches of BATCH rows, or of groups of GENERATIONS
     if method == "grpo":
-        args.update(num_generations=GENERATIONS, max_completion_length=NEW_TOKENS, per_device_train_batch_size=GENERATIONS,
-                    generation_batch_size=GENERATIONS)
+        args.update(num_generations=GENERATIONS, max_completion_length=NEW_TOKENS,
+                    per_device_train_batch_size=groups * GENERATIONS, generation_batch_size=groups * GENERATIONS)
     else:
         args.update(max_length=length)
     config = getattr(library, f"{CONFIG[method]}Config")(**args)
@@ -136,9 +138,14 @@ def worker(spec: dict) -> dict:
     trainer.add_callback(Clock())
     trainer.train()
     seconds = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
-    return {"s_per_step": seconds, "tokens_per_s": tokens_per_step(method, listed) / seconds,
+    return {"s_per_step": seconds, "tokens_per_s": groups * tokens_per_step(method, listed) / seconds,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "bf16": bool(trainer.args.bf16), "gradient_checkpointing": bool(trainer.args.gradient_checkpointing)}
+
+
+def grpo_groups(spec: dict) -> int:
+    """Groups per GRPO step: one, or two when ragged (so prompts of different lengths share a batch)."""
+    return 2 if spec.get("ragged") else 1
 
 
 def run(spec: dict) -> dict:

@@ -65,6 +65,10 @@ class OnlineParams(ReferenceSync, AgentChoice, GenerationChoice, LossChoice, Rew
     [``vllm_importance_sampling_clip_min``, ``vllm_importance_sampling_clip_max``] (None: unbounded on
     that side): truncated there by the ``*_truncate`` modes, zeroed outside by the ``*_mask`` modes.
     ``vllm_importance_sampling_cap`` is TRL's deprecated name for the upper bound; when given it wins.
+    ``padding_free`` (plait's; None: wherever the models attend a packed row per sequence, see
+    :meth:`plait.trainer.PlaitTrainer.wants_padding_free`) computes the log-probs of a rollout's
+    rows with their tokens back to back in one row, without the prompts' left and the
+    completions' right padding.
 
     Subclasses name their ``default_loss``."""
 
@@ -92,6 +96,7 @@ class OnlineParams(ReferenceSync, AgentChoice, GenerationChoice, LossChoice, Rew
     shuffle_dataset: bool = True
     # models and data
     model_init_kwargs: dict | None = None
+    padding_free: bool | None = None
     dataset_num_proc: int | None = None
 
     def __attrs_post_init__(self) -> None:
@@ -604,6 +609,17 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
         backend.sleep()  # the policy trains now: an engine may release its memory (it wakes to generate)
         return out
 
+    def wants_padding_free(self, args) -> bool | None:
+        return args.params.padding_free
+
+    def rows_logprobs(self, model, input_ids: Tensor, attention_mask: Tensor, **kwargs):
+        """``token_logprobs`` of rollout rows ``[N, P + C]`` (left-padded prompts, right-padded
+        completions), every statistic ``[N, P + C]``: one forward over the padded rows, or with
+        ``self.padding_free`` over their real tokens back to back (:func:`packed_token_logprobs`)."""
+        if self.padding_free:
+            return packed_token_logprobs(self.token_logprobs, model, input_ids, attention_mask, **kwargs)
+        return self.token_logprobs(model, input_ids, attention_mask, **kwargs)
+
     def logps_of(self, model, batch: dict) -> Tensor:
         """Completion-token log-probs ``[N, C]`` of ``model``, per_device_train_batch_size rows at a time."""
         size, width = self.args.per_device_train_batch_size, batch["prompt_length"]
@@ -611,8 +627,8 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
         for start in range(0, batch["input_ids"].shape[0], size):
             rows = slice(start, start + size)
             ids = batch["input_ids"][rows]
-            out = self.token_logprobs(model, ids, batch["attention_mask"][rows], temperature=self.args.params.temperature,
-                                      select=completion_columns(ids, width), **vision.model_inputs(batch, rows))
+            out = self.rows_logprobs(model, ids, batch["attention_mask"][rows], temperature=self.args.params.temperature,
+                                     select=completion_columns(ids, width), **vision.model_inputs(batch, rows))
             parts.append(out.logps[:, width:].float())
         return torch.cat(parts)
 
@@ -630,9 +646,9 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         p = self.args.params
         width = inputs["prompt_length"]
-        out = self.token_logprobs(model, inputs["input_ids"], inputs["attention_mask"], temperature=p.temperature,
-                                  with_entropy=True, select=completion_columns(inputs["input_ids"], width),
-                                  **vision.model_inputs(inputs))
+        out = self.rows_logprobs(model, inputs["input_ids"], inputs["attention_mask"], temperature=p.temperature,
+                                 with_entropy=True, select=completion_columns(inputs["input_ids"], width),
+                                 **vision.model_inputs(inputs))
         logps, mask = out.logps[:, width:], inputs["completion_mask"]
         training = self.model.training
         batch = PolicyTokens(
@@ -734,6 +750,28 @@ def pack(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: i
             input_ids[i, width:width + len(completion)] = torch.tensor(completion)
     return {"input_ids": input_ids.to(device), "attention_mask": attention.to(device),
             "completion_mask": attention[:, width:].to(device), "prompt_length": width}
+
+
+def packed_token_logprobs(token_logprobs, model, input_ids: Tensor, attention_mask: Tensor,
+                          select: Tensor | None = None, **kwargs):
+    """``token_logprobs(model, ...)`` of padded rows ``[B, T]`` computed padding-free: the rows' real
+    tokens (``attention_mask``, wherever the padding sits) back to back in one row ``[1, N]`` with
+    ``position_ids`` restarting at 0 for each, every statistic put back at its place in ``[B, T]``
+    (0 at padding). Equal to the padded forward for models whose positions are relative (RoPE):
+    there a left-padded row's offset positions change nothing but rounding."""
+    keep = attention_mask.bool()
+    lengths = keep.sum(-1)
+    starts = torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    positions = torch.arange(int(lengths.sum()), device=input_ids.device) - starts
+    out = token_logprobs(model, input_ids[keep][None], position_ids=positions[None],
+                         select=None if select is None else select[keep][None], **kwargs)
+
+    def in_rows(value: Tensor) -> Tensor:
+        layout = keep.reshape(*keep.shape, *[1] * (value.dim() - 2))
+        return value.new_zeros((*keep.shape, *value.shape[2:])).masked_scatter(layout, value[0])
+
+    return attrs.evolve(out, **{name: in_rows(value) for name, value in attrs.asdict(out, recurse=False).items()
+                                if value is not None})
 
 
 def _pad_floats(rows: list[list[float]], width: int, device) -> Tensor:

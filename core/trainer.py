@@ -197,8 +197,12 @@ class PlaitTrainer(Trainer):
 
     def _padding_free(self, args, processing_class) -> bool:
         wanted = self.wants_padding_free(args)
-        if wanted is False or (wanted is None and image_processor_of(processing_class) is not None):
-            return False  # image inputs follow their rows (plait.vision)
+        images = image_processor_of(processing_class) is not None
+        if wanted and images:
+            raise PlaitError(f"{type(self).__name__}: padding_free=True cannot hold images (their inputs follow their "
+                             "rows, plait.vision); set padding_free=False (or None to choose) and packing=False")
+        if wanted is False or images:
+            return False
         per_sequence = [packs_per_sequence(_bare(m)) for m in (self._policy, *self.held_models()) if _bare(m) is not None]
         return bool(wanted) or all(per_sequence)
 

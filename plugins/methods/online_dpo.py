@@ -283,8 +283,8 @@ class OnlineDPOTrainer(OnlineTrainer):
     def logps_of(self, model, batch: dict) -> torch.Tensor:
         """Completion-token log-probs ``[N, C]`` at temperature 1 (the policy DPO compares, as TRL)."""
         width = batch["prompt_length"]
-        out = self.token_logprobs(model, batch["input_ids"], batch["attention_mask"],
-                                  select=completion_columns(batch["input_ids"], width))
+        out = self.rows_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                                 select=completion_columns(batch["input_ids"], width))
         return out.logps[:, width:].float()
 
     # -- the loss ------------------------------------------------------------------------------
