@@ -1,14 +1,15 @@
-"""Gradient checkpointing on and off: seconds per step and peak memory, DPO and SFT.
+"""Gradient checkpointing on and off, per method: seconds per step and peak memory on SmolLM2.
 
-    python benchmarks/gradient_checkpointing.py [--layers 6 --seq 512 --batch 2 --steps 2 --rounds 2]
+    python benchmarks/gradient_checkpointing.py [--methods sft,dpo,dpo_lora,kto,reward_model,grpo]
+        [--lengths 128,512] [--steps 2] [--rounds 1]
 
-A Llama shaped like SmolLM2-135M (hidden 576, 9 heads, 3 KV heads, vocab 49152, tied embeddings),
-built offline with ``--layers`` layers, trains through plait's Trainer at the precision plait's
-default picks on this machine, with ``gradient_checkpointing`` off and on; each run in a fresh
-process (peak RSS is the process's), the settings interleaved for ``--rounds`` rounds so machine
-load hits both alike. Checkpointing trades one extra forward per layer for not keeping the layer's
-activations; the ratios say what that trade is worth here. Writes
-benchmarks/results/gradient_checkpointing.json.
+plait's default of ``gradient_checkpointing`` per method is decided from this measurement. Each
+method trains SmolLM2-135M-Instruct in fp32 with the rows, batch and hyperparameters of
+``trl_side_by_side.py`` (its worker, plait only, so it runs in the main venv), once with
+checkpointing off and once on, each run a fresh process (peak RSS is the process's own),
+interleaved for ``--rounds`` rounds so machine load hits both alike. Checkpointing keeps only each
+decoder layer's input and recomputes the layer in backward: one more forward of the layers for not
+holding their activations. Writes benchmarks/results/gradient_checkpointing.json.
 """
 
 from __future__ import annotations
@@ -16,99 +17,68 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
+import time
 from pathlib import Path
 
-from _timing import seconds_per_step  # benchmarks/ is on sys.path: these run as scripts
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from trl_side_by_side import METHODS, run  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results" / "gradient_checkpointing.json"
-METHODS = ("dpo", "sft")
-
-
-def build(layers: int, seq: int, batch: int):
-    import torch
-    from tokenizers import Tokenizer, models
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(0)
-    vocab = 49152
-    config = LlamaConfig(vocab_size=vocab, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2 * seq,
-                         pad_token_id=0, eos_token_id=1, tie_word_embeddings=True)
-    model = LlamaForCausalLM(config)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t2")),
-        pad_token="t0", eos_token="t1")
-    g = torch.Generator().manual_seed(0)
-    ids = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
-    half = seq // 2
-    rows = [{"prompt_ids": ids(half), "chosen_ids": ids(half - 1) + [1], "rejected_ids": ids(half - 1) + [1]}
-            for _ in range(batch)]
-    return model, tokenizer, rows
-
-
-def time_one(method: str, checkpointing: bool, layers: int, seq: int, batch: int, steps: int) -> dict:
-    import torch
-
-    from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
-    from plait.plugins.methods.sft import SFTConfig, SFTTrainer
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    model, tokenizer, rows = build(layers, seq, batch)
-    common = dict(output_dir="/tmp/plait-bench-ckpt", per_device_train_batch_size=batch, max_steps=steps + 1,
-                  save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1, learning_rate=1e-5,
-                  max_length=seq, gradient_checkpointing=checkpointing)
-    if method == "dpo":
-        trainer = DPOTrainer(model, args=DPOConfig(**common), processing_class=tokenizer, train_dataset=None)
-        fixed = trainer.plugins.collators.get("collator.preference").obj(tokenizer)(rows)
-    else:
-        trainer = SFTTrainer(model, args=SFTConfig(**common), processing_class=tokenizer, train_dataset=None)
-        lm_rows = [{"input_ids": r["prompt_ids"] + r["chosen_ids"], "completion_mask": [0] * len(r["prompt_ids"])
-                    + [1] * len(r["chosen_ids"])} for r in rows]
-        fixed = trainer.data_collator(lm_rows)
-    seconds = seconds_per_step(trainer, fixed, batch, steps)
-    return {"method": method, "gradient_checkpointing": checkpointing, "bf16": bool(trainer.args.bf16),
-            "s_per_step": seconds, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "load_1min": os.getloadavg()[0]}
+RESULTS = HERE / "results" / "gradient_checkpointing.json"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=2)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--lengths", default="128,512")
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    parser.add_argument("--one", nargs=2, metavar=("METHOD", "ON"))
-    args = parser.parse_args()
-    shape = (args.layers, args.seq, args.batch)
-    if args.one:
-        print(json.dumps(time_one(args.one[0], args.one[1] == "on", *shape, args.steps)))
-        return
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct via examples/smollm2.py)")
+    options = parser.parse_args()
+    model = options.model
+    if model is None:
+        sys.path.insert(0, str(HERE.parent / "examples"))
+        from smollm2 import smollm2_path
+
+        model = str(smollm2_path())
     runs = []
-    for _ in range(args.rounds):
-        for method in args.methods:
-            for setting in ("off", "on"):
-                out = subprocess.run([sys.executable, __file__, "--one", method, setting, "--layers", str(args.layers),
-                                      "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps)],
-                                     capture_output=True, text=True, check=True)
-                runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    summary = {"shape": dict(zip(("layers", "seq", "batch"), shape)), "methods": {}}
-    for method in args.methods:
-        best = {on: min((r for r in runs if r["method"] == method and r["gradient_checkpointing"] == on),
-                        key=lambda r: r["s_per_step"]) for on in (False, True)}
-        summary["methods"][method] = {
-            "s_per_step_off": best[False]["s_per_step"], "s_per_step_on": best[True]["s_per_step"],
-            "slowdown_on": best[True]["s_per_step"] / best[False]["s_per_step"],
-            "peak_rss_mib_off": best[False]["peak_rss_mib"], "peak_rss_mib_on": best[True]["peak_rss_mib"],
-            "memory_ratio_on": best[True]["peak_rss_mib"] / best[False]["peak_rss_mib"]}
-    summary["runs"] = runs
-    print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=2))
+    for _ in range(options.rounds):
+        for method in options.methods.split(","):
+            for length in map(int, options.lengths.split(",")):
+                for on in (False, True):
+                    spec = {"library": "plait", "method": method, "length": length, "setting": "equal",
+                            "gradient_checkpointing": on, "steps": options.steps, "model": model,
+                            "output_dir": "/tmp/plait-bench-checkpointing"}
+                    runs.append(run(spec))
+                    print(json.dumps(runs[-1]), flush=True)
+    # earlier runs of other methods or lengths stay in the file; these replace their own
+    earlier = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    ran = {identity(r) for r in runs}
+    runs = [r for r in earlier.get("runs", []) if identity(r) not in ran] + runs
+    commands = earlier.get("commands", []) + [" ".join(sys.argv[1:])]
+    table = {}
+    for method, length in sorted({(r["method"], r["length"]) for r in runs}, key=lambda k: (METHODS.index(k[0]), k[1])):
+        mine = [r for r in runs if r["method"] == method and r["length"] == length and "error" not in r]
+        best = {on: min((r for r in mine if r["gradient_checkpointing"] == on), key=lambda r: r["s_per_step"],
+                        default=None) for on in (False, True)}
+        if None in best.values():
+            continue
+        off, on = best[False], best[True]
+        table[f"{method}@{length}"] = {
+            "s_per_step_off": off["s_per_step"], "s_per_step_on": on["s_per_step"],
+            "slowdown_on": on["s_per_step"] / off["s_per_step"],
+            "peak_rss_mib_off": off["peak_rss_mib"], "peak_rss_mib_on": on["peak_rss_mib"],
+            "memory_ratio_on": on["peak_rss_mib"] / off["peak_rss_mib"],
+            "load_1min": [round(r["load_1min"], 1) for r in (off, on)]}
+        print(f"{method}@{length}", json.dumps(table[f"{method}@{length}"]))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(summary, indent=2))
+    RESULTS.write_text(json.dumps({"model": model, "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+                                   "commands": commands, "summary": table, "runs": runs}, indent=1))
+
+
+def identity(run_: dict) -> tuple:
+    return run_["method"], run_["length"], run_["gradient_checkpointing"]
 
 
 if __name__ == "__main__":

@@ -109,6 +109,8 @@ def worker(spec: dict) -> dict:
                 logging_steps=1, save_strategy="no", report_to="none", learning_rate=1e-6, seed=0)
     if spec["setting"] == "equal":
         args.update(bf16=False, gradient_checkpointing=False)
+    if "gradient_checkpointing" in spec:  # benchmarks/gradient_checkpointing.py: on and off, the rest as set
+        args.update(gradient_checkpointing=spec["gradient_checkpointing"])
     if spec["library"] == "trl":
         args.update(use_cpu=True)  # TRL's bf16 default is refused on a CPU without it
     groups = grpo_groups(spec) if method == "grpo" else 1  # batches of BATCH rows, or of groups of GENERATIONS
