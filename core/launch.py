@@ -18,11 +18,14 @@ available devices found"; torch: "Inconsistent compute device and `device_id`").
 
 from __future__ import annotations
 
+import atexit
 import difflib
+import gc
 import os
 import shlex
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import yaml
@@ -55,6 +58,37 @@ def preset_path(name_or_path: str) -> Path:
 def inside_launched_process() -> bool:
     """Inside a process that torchrun/accelerate started (so never relaunch from here)."""
     return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def leave_process_group() -> None:
+    """Leave the process group a launch joined, if any."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_group_holders: weakref.WeakSet = weakref.WeakSet()
+
+
+def leave_process_group_at_exit(holder) -> None:
+    """When the interpreter exits, call ``holder.release_process_group()`` and leave the group.
+
+    For any script that builds a trainer in a launched process (``torchrun train.py``), not only
+    ``plait <method>``. Leaving is not enough while a DDP wrapper still holds the group: gloo's
+    threads then outlive the interpreter and abort the process after the run saved ("terminate
+    called without an active exception"), so the holder drops its wrappers first."""
+    if not _group_holders:
+        atexit.unregister(_leave_at_exit)  # once per process, however many trainers come and go
+        atexit.register(_leave_at_exit)
+    _group_holders.add(holder)
+
+
+def _leave_at_exit() -> None:
+    for holder in list(_group_holders):
+        holder.release_process_group()
+    gc.collect()  # the wrappers' last references, so the group's threads are joined when it is left
+    leave_process_group()
 
 
 def _gpus() -> int:

@@ -619,11 +619,5 @@ def run_method(name: str, method, args: argparse.Namespace, plugins: Plugins) ->
     if (num_processes not in (None, 1) or accelerate_config) and not inside_launched_process():
         command = [name, *(["--config", str(Path(args.config).resolve())] if args.config else []), *args.extra]
         return launch(command, num_processes, accelerate_config)
-    run(config, plugins)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        # one of a launch's processes: leave the group before the interpreter exits, or gloo's
-        # threads can outlive it and abort the process ("terminate called without an active exception")
-        dist.destroy_process_group()
+    run(config, plugins)  # a launched process leaves its group at exit (PlaitTrainer, leave_process_group_at_exit)
     return 0

@@ -28,7 +28,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from . import __version__, preflight
 from .config import config_fields
 from .errors import PlaitError
-from .launch import shard_on_cpu
+from .launch import leave_process_group_at_exit, shard_on_cpu
 from .attention import packs_per_sequence
 from .logprobs import token_logprobs
 from .vision import holds_images, image_processor_of, limit_pixels
@@ -145,6 +145,7 @@ class PlaitTrainer(Trainer):
                 preprocess_logits_for_metrics=preprocess_logits_for_metrics, compute_loss_func=compute_loss_func,
                 optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
             )
+            leave_process_group_at_exit(self)
             for module in self.auxiliary_modules().values():
                 module.to(args.device)
             trained = self.trained_module(self._policy)
@@ -154,6 +155,11 @@ class PlaitTrainer(Trainer):
                 self._add_router_aux_loss(self._policy)  # the outermost policy: PEFT passes the request on
             self._offload_activations = args.activation_offloading and offloading_applies(args.device)
             self.after_init()
+
+    def release_process_group(self) -> None:
+        """Drop the distributed wrappers (DDP) that hold the process group, at interpreter exit."""
+        self.model_wrapped = self.model
+        self.accelerator._models.clear()
 
     def _refuse_images(self, *datasets) -> None:
         """Image rows for a method whose forwards do not pass images: refused before any model loads."""
