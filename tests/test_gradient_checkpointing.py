@@ -1,7 +1,7 @@
 """Gradient checkpointing combines with the chunked log-prob path: the same losses and updates as
 without it, and the output layer is not run more often (the decoder layers are recomputed in
 backward; the head, applied chunk by chunk after the model's forward, is recomputed once per chunk
-either way). Default off on every method, unlike TRL: docs/trl-differences.md gives the measurement."""
+either way). Default on for every method, as in TRL."""
 
 import pytest
 import torch
@@ -55,10 +55,23 @@ def test_checkpointing_changes_neither_losses_updates_nor_head_calls(tmp_path, b
     assert head_on == head_off > 0  # checkpointing recomputes layers, not the chunked head
 
 
-def test_default_is_off_for_every_method(tmp_path):
+def test_default_is_on_for_every_method(tmp_path):
+    """TRL's default, and plait's since it was measured to pay (benchmarks/gradient_checkpointing.py)."""
     from plait.manager import default_plugins
 
     methods = default_plugins().methods
     for name in methods.names():
         args = methods.get(name).obj.config(output_dir=str(tmp_path), report_to="none")
-        assert args.gradient_checkpointing is False, name
+        assert args.gradient_checkpointing is True, name
+
+
+def test_either_name_turns_it_off_and_the_default_warns_nothing(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # TRL's default (the deprecated name set True) raises transformers' FutureWarning
+        assert SFTConfig(output_dir=str(tmp_path), report_to="none").activation_checkpointing is True
+    assert SFTConfig(output_dir=str(tmp_path), report_to="none", activation_checkpointing=False).gradient_checkpointing is False
+    with pytest.warns(FutureWarning, match="gradient_checkpointing"):  # TRL's name still works, as transformers reads it
+        off = SFTConfig(output_dir=str(tmp_path), report_to="none", gradient_checkpointing=False)
+    assert (off.gradient_checkpointing, off.activation_checkpointing) == (False, False)

@@ -10,6 +10,7 @@ is never installed beside plait. What each field does is pinned by the tests of 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from pathlib import Path
@@ -50,9 +51,16 @@ def documented_fields() -> set[str]:
     return {name for cell in rows for name in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", cell)}
 
 
+@functools.cache
+def fresh(config_cls):
+    return config_cls(output_dir="unused", report_to="none")
+
+
 def same_default(config_cls, name: str, trl_value: Any, ours: Any) -> bool:
     if ours == trl_value:
         return True
+    if ours is None and getattr(fresh(config_cls), name) == trl_value:
+        return True  # resolved in __post_init__ (gradient_checkpointing: on, set under transformers 5's name)
     # plait's loss_type None means "the method's default loss": compare that loss with TRL's default
     default_loss = getattr(config_cls.params_class, "default_loss", None)
     return name == "loss_type" and ours is None and trl_value in (default_loss, [default_loss])
