@@ -189,7 +189,7 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
         _hardware_defaults(self)
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             # On, as in TRL, under transformers 5's name (TRL's default of the old one warns): on SmolLM2 at
-            # 512 tokens it costs 1.07-1.2x the step time for 0.53-0.66x the peak memory in every method
+            # 512 tokens it costs each method at most 1.21x the step time for 0.53-0.66x the peak memory
             # (benchmarks/gradient_checkpointing.py). Either name set by the user wins, as transformers reads them.
             self.activation_checkpointing = True
         if self.on_nonfinite_loss not in NONFINITE_POLICIES:

@@ -60,14 +60,6 @@ def inside_launched_process() -> bool:
     return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def leave_process_group() -> None:
-    """Leave the process group a launch joined, if any."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 _group_holders: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -85,10 +77,14 @@ def leave_process_group_at_exit(holder) -> None:
 
 
 def _leave_at_exit() -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # a single process: nothing to leave, and no collection to pay for at exit
     for holder in list(_group_holders):
         holder.release_process_group()
     gc.collect()  # the wrappers' last references, so the group's threads are joined when it is left
-    leave_process_group()
+    dist.destroy_process_group()
 
 
 def _gpus() -> int:
