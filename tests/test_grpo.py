@@ -320,7 +320,7 @@ def test_two_processes_share_groups_and_stay_in_sync(tmp_path):
     script = tmp_path / "ddp_grpo.py"
     script.write_text(DDP_SCRIPT)
     torchrun = Path(sys.executable).parent / "torchrun"
-    done = subprocess.run([str(torchrun), "--nproc_per_node", "2", str(script), str(tmp_path)],
+    done = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1)]

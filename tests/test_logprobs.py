@@ -348,7 +348,7 @@ def test_under_ddp_every_gradient_is_all_reduced(tmp_path):
     script = tmp_path / "ddp_logprobs.py"
     script.write_text(DDP_SCRIPT)
     torchrun = Path(sys.executable).parent / "torchrun"
-    done = subprocess.run([str(torchrun), "--nproc_per_node", "2", str(script), str(tmp_path), str(Path(__file__).parent)],
+    done = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path), str(Path(__file__).parent)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     reduced = [torch.load(tmp_path / f"grads{r}.pt") for r in range(2)]

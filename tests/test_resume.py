@@ -344,7 +344,7 @@ def test_two_processes_resume_bit_identically(tmp_path):
     torchrun = Path(sys.executable).parent / "torchrun"
 
     def launch(output: Path, mode: str) -> None:
-        done = subprocess.run([str(torchrun), "--nproc_per_node", "2", str(script), str(output), mode],
+        done = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script), str(output), mode],
                               capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
 
