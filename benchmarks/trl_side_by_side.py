@@ -115,6 +115,7 @@ def worker(spec: dict) -> dict:
         args.update(SETTINGS[spec["setting"]])
     if "gradient_checkpointing" in spec:  # benchmarks/gradient_checkpointing.py: on and off, the rest as set
         args.update(gradient_checkpointing=spec["gradient_checkpointing"])
+    args.update(spec.get("extra", {}))  # --extra: fields of both libraries' configs, for experiments
     if spec["library"] == "trl":
         args.update(use_cpu=True)  # TRL's bf16 default is refused on a CPU without it
     groups = grpo_groups(spec) if method == "grpo" else 1  # batches of BATCH rows, or of groups of GENERATIONS
@@ -214,6 +215,7 @@ def main() -> None:
     parser.add_argument("--ragged", action="store_true", help="rows of random lengths up to --lengths, as real data")
     parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct via examples/smollm2.py)")
     parser.add_argument("--output_dir", default="/tmp/plait-trl-side-by-side")
+    parser.add_argument("--extra", type=json.loads, default={}, help='config fields set in every run, as JSON: \'{"padding_free": false}\'')
     parser.add_argument("--results", type=Path, help=f"results file (default {RESULTS.relative_to(HERE.parent)}, "
                         "or trl_side_by_side_ragged.json with --ragged); runs of another machine belong in another file")
     options = parser.parse_args()
@@ -238,7 +240,7 @@ def main() -> None:
                     for library in options.libraries.split(","):
                         spec = {"library": library, "method": method, "length": length, "setting": setting,
                                 "steps": options.steps, "model": model, "output_dir": options.output_dir,
-                                "ragged": options.ragged}
+                                "ragged": options.ragged, **({"extra": options.extra} if options.extra else {})}
                         runs.append(run(spec))
                         print(json.dumps(runs[-1]), flush=True)
     RESULTS.parent.mkdir(exist_ok=True)

@@ -51,17 +51,18 @@ def test_each_sequence_is_attended_alone_without_a_mask(monkeypatch):
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def recording(query, key, value, attn_mask=None, **kwargs):
-        calls.append((query.shape[-2], key.shape[-2], attn_mask is None, kwargs.get("is_causal")))
+        calls.append((query.shape[0], query.shape[-2], key.shape[-2], attn_mask is None, kwargs.get("is_causal")))
         return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
 
     m = model()
     packs_per_sequence(m)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
-    ids, positions = packed([7, 3, 1, 5])
+    ids, positions = packed([7, 3, 1, 7, 5])
     with torch.no_grad():
         m.model(input_ids=ids, position_ids=positions, use_cache=False)
-    # per layer: one causal call per sequence over its own tokens (a 1-token sequence needs no causality)
-    per_layer = [(7, 7, True, True), (3, 3, True, True), (1, 1, True, False), (5, 5, True, True)]
+    # per layer: one causal call per sequence length over those sequences' own tokens, the two of
+    # length 7 as a batch of 2 (a 1-token sequence needs no causality)
+    per_layer = [(2, 7, 7, True, True), (1, 3, 3, True, True), (1, 1, 1, True, False), (1, 5, 5, True, True)]
     assert calls == per_layer * CONFIG.num_hidden_layers
 
 
