@@ -25,7 +25,8 @@ tokens (batch 4 prompts' completions, one group). ``--ragged`` draws each part's
 up to those sizes instead, as real data has them, so padded batches carry padding and plait's
 padding-free default drops it; ragged GRPO steps hold two groups (two prompts of different lengths,
 8 completions) so its prompts pad too. Writes benchmarks/results/trl_side_by_side.json (``--ragged``:
-trl_side_by_side_ragged.json) and prints the table.
+trl_side_by_side_ragged.json; another machine's runs: ``--results FILE``) and prints the table. Each
+run records the CPU's bf16 units as plait reads them, which decide plait's precision default.
 """
 
 from __future__ import annotations
