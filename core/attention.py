@@ -6,8 +6,9 @@ restarting at 0 for each (:mod:`plait.plugins.data.collators.padding_free`,
 ``N × N`` block-diagonal mask and computes attention over all N² query-key pairs: for 8 sequences of
 512 tokens that is 8× the attention work of the padded batch, and the mask costs N² bytes. Flash
 attention's variable-length kernels (CUDA) compute only Σ Lᵢ² pairs; ``plait_sdpa`` does the same
-with torch's SDPA, one causal call per sequence, and is ``sdpa`` unchanged for every other batch
-(padded rows, generation with a cache). So dropping the padding never costs more than keeping it.
+with torch's SDPA, one causal call per sequence (sequences of one length batched together), and is
+``sdpa`` unchanged for every other batch (padded rows, generation with a cache). So dropping the
+padding never costs more than keeping it.
 
 :func:`packs_per_sequence` puts a model on ``plait_sdpa`` and checks, on a few tokens, that a packed
 row gives each sequence exactly what it gets alone; a model whose attention does not follow
