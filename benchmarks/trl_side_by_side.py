@@ -178,7 +178,7 @@ def summary(runs: list[dict]) -> dict:
     """Per method, length and setting: TRL's s/step over plait's (> 1: plait faster) and plait's peak RSS over TRL's."""
     table = {}
     for run_ in runs:
-        key = f"{run_['method']}@{run_['length']}{'/ragged' if run_.get('ragged') else ''}/{run_['setting']}"
+        key = f"{run_['method']}@{run_['length']}{'/ragged' if run_.get('ragged') else ''}/{run_['setting']}{extra_label(run_)}"
         table.setdefault(key, {}).setdefault(run_["library"], []).append(run_)
     out = {}
     for key, by_lib in table.items():
@@ -259,7 +259,12 @@ def main() -> None:
 
 
 def identity(run_: dict) -> tuple:
-    return tuple(run_.get(k) for k in ("library", "method", "length", "setting")) + (bool(run_.get("ragged")),)
+    return tuple(run_.get(k) for k in ("library", "method", "length", "setting")) + (bool(run_.get("ragged")), extra_label(run_))
+
+
+def extra_label(run_: dict) -> str:
+    """``/{"padding_free": false}`` for a run with --extra fields, so it neither replaces nor averages with a plain run."""
+    return f"/{json.dumps(run_['extra'], sort_keys=True)}" if run_.get("extra") else ""
 
 
 if __name__ == "__main__":
