@@ -23,7 +23,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from trl_side_by_side import METHODS, run  # noqa: E402
+from trl_side_by_side import METHODS, model_folder, run  # noqa: E402
 
 RESULTS = HERE / "results" / "gradient_checkpointing.json"
 
@@ -36,12 +36,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct via examples/smollm2.py)")
     options = parser.parse_args()
-    model = options.model
-    if model is None:
-        sys.path.insert(0, str(HERE.parent / "examples"))
-        from smollm2 import smollm2_path
-
-        model = str(smollm2_path())
+    model = model_folder(options.model)
     runs = []
     for _ in range(options.rounds):
         for method in options.methods.split(","):

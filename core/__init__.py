@@ -11,7 +11,10 @@ from importlib.metadata import PackageNotFoundError, version as _version
 from .errors import PlaitError, PluginLoadError
 from .hookspecs import hookimpl
 from .manager import default_plugins, make_plugins
+from .memory import align_large_cpu_buffers
 from .method import Method
+
+align_large_cpu_buffers()  # none of the above imports torch: this comes before its first CPU tensor, when it reads the switch
 
 try:
     __version__ = _version("plait")

@@ -34,6 +34,7 @@ from .logprobs import token_logprobs
 from .vision import holds_images, image_processor_of, limit_pixels
 from .vision import model_inputs as model_inputs_of
 from .manager import Plugins, default_plugins
+from .memory import TORCH_SWITCH, large_buffers_aligned
 from .model_card import CardDetails, write_model_card
 from .models import (Reference, agree_on_tokens, disable_dropout, load_model, load_tokenizer,
                      refuse_adapters_on_adapters, remote_code, wrap_peft)
@@ -96,6 +97,8 @@ class PlaitTrainer(Trainer):
             args = self.config_class(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-{self.method}")
         elif not isinstance(args, self.config_class):
             raise PlaitError(f"args is a {type(args).__name__}; {type(self).__name__} needs a {self.config_class.__name__}")
+        if args.use_cpu or not torch.accelerator.is_available():
+            say_if_large_buffers_unaligned()
         self._refuse_unused_arguments(compute_metrics=compute_metrics,
                                       preprocess_logits_for_metrics=preprocess_logits_for_metrics,
                                       compute_loss_func=compute_loss_func)
@@ -574,6 +577,16 @@ class PlaitTrainer(Trainer):
                                                       **kwargs)
         if self.args.should_save:
             write_model_card(self, self.args.output_dir)
+
+
+@functools.cache
+def say_if_large_buffers_unaligned() -> None:
+    """Once per process: where torch was not told to page-align its large CPU buffers (a tensor was
+    made before plait was imported), say what that costs and how to get it (plait.memory)."""
+    if os.environ.get(TORCH_SWITCH) != "0" and not large_buffers_aligned():
+        logger.info("plait: torch made a tensor before plait was imported, so its large CPU buffers are not "
+                    "page-aligned and a CPU run's peak memory can be up to 1.6x higher; import plait first, "
+                    "or set %s=1 before starting Python", TORCH_SWITCH)
 
 
 def with_quantization(model: str | PreTrainedModel, init_kwargs: dict | None, quantization_config) -> dict | None:

@@ -1,0 +1,51 @@
+"""plait.memory: importing plait asks torch to page-align its large CPU buffers (glibc's heap then
+fragments far less: benchmarks/cpu_memory.py), before torch's first tensor, which is when torch
+reads the switch; a user's own value stays, and a CPU trainer says when it came too late.
+
+Each check runs in a fresh process: torch reads the switch once per process."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torch page-aligns large buffers on Linux only")
+
+ALIGNED = "from plait.memory import large_buffers_aligned; print('aligned', large_buffers_aligned())"
+TRAIN = """
+import logging
+from datasets import Dataset
+from plait import SFTConfig, SFTTrainer
+from plait.testing.tiny_model import tiny_model_path
+logging.basicConfig(level=logging.INFO)
+args = SFTConfig(output_dir={out!r}, max_steps=1, save_strategy="no", report_to="none", per_device_train_batch_size=2)
+SFTTrainer(str(tiny_model_path()), args=args, train_dataset=Dataset.from_list([{{"text": "the river"}}] * 2)).train()
+"""
+
+
+def run_python(code: str, switch: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if switch is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = switch
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_importing_plait_page_aligns_torchs_large_buffers():
+    without = run_python("import torch; print('aligned', torch.empty(16 * 2**20).data_ptr() % 4096 == 0)")
+    assert "aligned False" in without.stdout  # torch's own 64-byte alignment: 64 bytes into glibc's mapping
+    assert "aligned True" in run_python("import plait, torch\n" + ALIGNED).stdout
+
+
+def test_a_users_own_value_stays():
+    out = run_python("import os, plait\nprint('switch', os.environ['THP_MEM_ALLOC_ENABLE'])\n" + ALIGNED, switch="0")
+    assert "switch 0" in out.stdout and "aligned False" in out.stdout
+
+
+def test_a_cpu_trainer_says_when_plait_came_after_torchs_first_tensor(tmp_path):
+    late = run_python("import torch; torch.ones(1)\n" + TRAIN.format(out=str(tmp_path / "late")))
+    early = run_python(TRAIN.format(out=str(tmp_path / "early")))
+    assert "not page-aligned" in late.stderr and "import plait first" in late.stderr
+    assert "not page-aligned" not in early.stderr
