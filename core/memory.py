@@ -6,11 +6,13 @@ activations, recomputed checkpoints and gradients all come from its heap, and th
 as every step's tensors of many sizes come and go: the process holds far more than it uses.
 torch's switch ``THP_MEM_ALLOC_ENABLE=1`` aligns every buffer of 2 MiB or more to a page (and
 advises transparent huge pages for it), and with page-aligned blocks the heap stays close to what
-is in use. Measured on SmolLM2-135M's reward model, 512 tokens, 4 pairs a step, fp32 with gradient
-checkpointing: peak RSS 5276 MiB without it, 3219 MiB with it, 45.4 and 43.2 s/step; the same
-with transparent huge pages disabled for the process (prctl), so the alignment is what does it
-(benchmarks/cpu_memory.py has every method). Holding glibc's threshold at 128 KiB instead (every
-freed block unmapped) gave 2725 MiB at 55.3 s/step: each block then comes back as fresh pages.
+is in use. Measured on SmolLM2-135M, 512 tokens, batch 4, fp32 with gradient checkpointing, peak
+RSS without and with it (benchmarks/cpu_memory.py, results/cpu_memory.json): reward model 5135 ->
+3256 MiB, KTO 4558 -> 3943; step times within this machine's run-to-run noise (reward model 40.4
+and 44.8 s/step in one pair, 45.4 and 43.2 in another). A forward and backward alone gave the
+same peak with transparent huge pages disabled for the process (prctl), so the alignment is what
+does it. Holding glibc's mmap threshold at 128 KiB instead (every freed block unmapped) gave the
+reward model 2725 MiB but 1.22x the step time: each block comes back as fresh pages to zero.
 
 torch reads the switch once, at its first CPU allocation, so :func:`align_large_cpu_buffers` runs
 when plait is imported (``import plait`` imports no torch): the ``plait`` command and any script
