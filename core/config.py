@@ -55,11 +55,16 @@ def cpu_bf16_support() -> tuple[bool, str]:
     return True, f"CPU with {'/'.join(units)} (torch kernels: {capability})"
 
 
+def trains_on_cpu(args: TrainingArguments) -> bool:
+    """Whether the run trains on the CPU: told so, or no accelerator to train on."""
+    return args.use_cpu or not torch.accelerator.is_available()
+
+
 def _hardware_defaults(args: TrainingArguments) -> None:
     """Fields left as None are chosen from the hardware: bf16 autocast wherever the device
     computes bf16 natively (a bf16 GPU, a CPU with AVX-512 BF16 or AMX), fp32 otherwise.
     TRL's bf16=True default fails on a CPU (transformers wants use_cpu) and is slow without bf16 units."""
-    on_cpu = args.use_cpu or not torch.accelerator.is_available()
+    on_cpu = trains_on_cpu(args)
     if args.bf16 is None:
         if args.fp16:
             args.bf16, reason = False, "fp16 asked for"

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from . import __version__, preflight
-from .config import config_fields
+from .config import config_fields, trains_on_cpu
 from .errors import PlaitError
 from .launch import leave_process_group_at_exit, shard_on_cpu
 from .attention import packs_per_sequence
@@ -97,7 +97,7 @@ class PlaitTrainer(Trainer):
             args = self.config_class(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-{self.method}")
         elif not isinstance(args, self.config_class):
             raise PlaitError(f"args is a {type(args).__name__}; {type(self).__name__} needs a {self.config_class.__name__}")
-        if args.use_cpu or not torch.accelerator.is_available():
+        if trains_on_cpu(args):
             say_if_large_buffers_unaligned()
         self._refuse_unused_arguments(compute_metrics=compute_metrics,
                                       preprocess_logits_for_metrics=preprocess_logits_for_metrics,
