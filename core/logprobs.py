@@ -46,8 +46,8 @@ class TokenLogprobs:
     """Per-token statistics aligned to ``input_ids``; every tensor is float32 ``[B, T]``.
 
     ``logps[:, t] = log p(input_ids[:, t] | input_ids[:, <t])``, so a completion mask aligned to
-    ``input_ids`` applies directly. At a sequence start (t = 0, or ``position_ids == 0`` in a
-    padding-free batch) nothing predicts the token and all three statistics are 0.
+    ``input_ids`` applies directly. At a sequence start (t = 0, or where ``position_ids`` do not
+    count on in a padding-free batch) nothing predicts the token and all its statistics are 0.
     ``entropy`` is the entropy of the tempered next-token distribution that predicts token t;
     ``logit_mean`` is the mean over the vocabulary of the model's raw (untempered) logits there.
     """
@@ -118,7 +118,7 @@ def token_logprobs(
             x = x.reshape(-1).masked_fill(~rows, 0)
         x = torch.cat([x.new_zeros(B, 1), x.reshape(B, T)[:, :-1]], dim=1)
         if position_ids is not None and position_ids.dim() == 2:
-            x = x.masked_fill(position_ids == 0, 0.0)
+            x = x.masked_fill(_sequence_starts(position_ids), 0.0)
         return x
 
     aligned = iter(align(x) for x in out)
@@ -173,7 +173,7 @@ def compare_distributions(
     # Position p predicts token p + 1: the hidden states to project are one column to the left.
     rows = torch.cat([wanted[:, 1:], torch.zeros_like(wanted[:, :1])], dim=1)
     if position_ids is not None and position_ids.dim() == 2:  # packed: a document's first token has no predictor
-        rows &= torch.cat([position_ids[:, 1:] != 0, torch.zeros_like(wanted[:, :1])], dim=1)
+        rows &= torch.cat([~_sequence_starts(position_ids)[:, 1:], torch.zeros_like(wanted[:, :1])], dim=1)
 
     def tempered(logits: Tensor) -> Tensor:
         logits = logits.float()
@@ -233,6 +233,14 @@ def _check_arguments(temperature, chunk_size, input_ids: Tensor) -> None:
         raise PlaitError(f"chunk_size={chunk_size!r} must be an integer >= 1 (positions per chunk) or None for the default")
     if input_ids.dim() != 2:
         raise PlaitError(f"input_ids has shape {tuple(input_ids.shape)}; pass a [batch, seq] tensor of token ids")
+
+
+def _sequence_starts(position_ids: Tensor) -> Tensor:
+    """[B, T] bool: where a packed sequence (or a branch, :func:`plait.attention.packed_segments`)
+    begins, a position that does not follow the one before it; the token the row's previous
+    token would seem to predict there belongs to another sequence."""
+    follows = position_ids[:, 1:] == position_ids[:, :-1] + 1
+    return torch.cat([torch.ones_like(position_ids[:, :1], dtype=torch.bool), ~follows], dim=1)
 
 
 def _forward_kwargs(attention_mask, position_ids, model_kwargs) -> dict:

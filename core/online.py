@@ -36,6 +36,7 @@ from torch.utils.data import Sampler
 from .batches import PolicyTokens, Rollout, gather_ragged, masked_mean
 from . import vision
 from .chat import is_conversational, text_of
+from .attention import prompt_shared_layout
 from .errors import PlaitError
 from .generation import GenerationChoice, Generations, padding_multiple, padded_width, resolve_backend
 from .importance_sampling import importance_sampling_metrics, importance_weights
@@ -68,7 +69,9 @@ class OnlineParams(ReferenceSync, AgentChoice, GenerationChoice, LossChoice, Rew
     ``padding_free`` (plait's; None: wherever the models attend a packed row per sequence, see
     :meth:`plait.trainer.PlaitTrainer.wants_padding_free`) computes the log-probs of a rollout's
     rows with their tokens back to back in one row, without the prompts' left and the
-    completions' right padding.
+    completions' right padding. ``prefix_sharing`` (plait's; None: wherever the models' attention can,
+    :func:`plait.attention.shares_prefixes`) computes there each prompt once for all the completions
+    of it in a micro-batch (:func:`packed_token_logprobs`).
 
     Subclasses name their ``default_loss``."""
 
@@ -97,6 +100,7 @@ class OnlineParams(ReferenceSync, AgentChoice, GenerationChoice, LossChoice, Rew
     # models and data
     model_init_kwargs: dict | None = None
     padding_free: bool | None = None
+    prefix_sharing: bool | None = None
     dataset_num_proc: int | None = None
 
     def __attrs_post_init__(self) -> None:
@@ -612,12 +616,16 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
     def wants_padding_free(self, args) -> bool | None:
         return args.params.padding_free
 
+    def wants_prefix_sharing(self, args) -> bool | None:
+        return args.params.prefix_sharing
+
     def rows_logprobs(self, model, input_ids: Tensor, attention_mask: Tensor, **kwargs):
         """``token_logprobs`` of rollout rows ``[N, P + C]`` (left-padded prompts, right-padded
         completions), every statistic ``[N, P + C]``: one forward over the padded rows, or with
         ``self.padding_free`` over their real tokens back to back (:func:`packed_token_logprobs`)."""
         if self.padding_free:
-            return packed_token_logprobs(self.token_logprobs, model, input_ids, attention_mask, **kwargs)
+            return packed_token_logprobs(self.token_logprobs, model, input_ids, attention_mask,
+                                         share_prompts=self.prefix_sharing, **kwargs)
         return self.token_logprobs(model, input_ids, attention_mask, **kwargs)
 
     def logps_of(self, model, batch: dict) -> Tensor:
@@ -753,22 +761,38 @@ def pack(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: i
 
 
 def packed_token_logprobs(token_logprobs, model, input_ids: Tensor, attention_mask: Tensor,
-                          select: Tensor | None = None, **kwargs):
+                          select: Tensor | None = None, share_prompts: bool = False, **kwargs):
     """``token_logprobs(model, ...)`` of padded rows ``[B, T]`` computed padding-free: the rows' real
     tokens (``attention_mask``, wherever the padding sits) back to back in one row ``[1, N]`` with
     ``position_ids`` restarting at 0 for each, every statistic put back at its place in ``[B, T]``
     (0 at padding). Equal to the padded forward for models whose positions are relative (RoPE):
-    there a left-padded row's offset positions change nothing but rounding."""
+    there a left-padded row's offset positions change nothing but rounding.
+
+    ``share_prompts`` (with ``select``): rows whose tokens before the first selected column are the
+    same (a group's completions of one prompt) compute that prompt once
+    (:func:`plait.attention.prompt_shared_layout`, for a model whose attention reads a branch): the
+    statistics of the selected tokens are the same."""
     keep = attention_mask.bool()
-    lengths = keep.sum(-1)
-    starts = torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
-    positions = torch.arange(int(lengths.sum()), device=input_ids.device) - starts
-    out = token_logprobs(model, input_ids[keep][None], position_ids=positions[None],
-                         select=None if select is None else select[keep][None], **kwargs)
+    if share_prompts and select is not None:
+        unselected = keep & (select.to(keep.device).long().cumsum(1) == 0)  # real tokens before the first selected column
+        rows = [[t for t, real in zip(ids, reals) if real] for ids, reals in zip(input_ids.tolist(), keep.tolist())]
+        flat, positions, index = prompt_shared_layout(rows, unselected.sum(1).tolist())
+        flat, positions = (torch.tensor([values], device=input_ids.device) for values in (flat, positions))
+        places = torch.tensor([i for row in index for i in row], device=input_ids.device)
+    else:
+        lengths = keep.sum(-1)
+        starts = torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+        positions = (torch.arange(int(lengths.sum()), device=input_ids.device) - starts)[None]
+        flat, places = input_ids[keep][None], torch.arange(int(lengths.sum()), device=input_ids.device)
+    flat_select = None
+    if select is not None:  # each selected token's place in the packed row
+        flat_select = torch.zeros_like(flat, dtype=torch.bool)
+        flat_select[0, places[select.to(keep.device)[keep]]] = True
+    out = token_logprobs(model, flat, position_ids=positions, select=flat_select, **kwargs)
 
     def in_rows(value: Tensor) -> Tensor:
         layout = keep.reshape(*keep.shape, *[1] * (value.dim() - 2))
-        return value.new_zeros((*keep.shape, *value.shape[2:])).masked_scatter(layout, value[0])
+        return value.new_zeros((*keep.shape, *value.shape[2:])).masked_scatter(layout, value[0][places])
 
     return attrs.evolve(out, **{name: in_rows(value) for name, value in attrs.asdict(out, recurse=False).items()
                                 if value is not None})

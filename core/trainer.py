@@ -29,7 +29,7 @@ from . import __version__, preflight
 from .config import config_fields, trains_on_cpu
 from .errors import PlaitError
 from .launch import leave_process_group_at_exit, shard_on_cpu
-from .attention import packs_per_sequence
+from .attention import SEQUENCE_SDPA, packs_per_sequence, shares_prefixes
 from .logprobs import token_logprobs
 from .vision import holds_images, image_processor_of, limit_pixels
 from .vision import model_inputs as model_inputs_of
@@ -130,6 +130,7 @@ class PlaitTrainer(Trainer):
                     disable_dropout(module)
             self._policy = model  # the model before accelerate wraps it; datasets may need it (cached reference)
             self.padding_free = self._padding_free(args, processing_class)
+            self.prefix_sharing = self._prefix_sharing(args)
 
             train_dataset = self.prepare(train_dataset, processing_class, args, "train")
             if isinstance(eval_dataset, dict):
@@ -214,6 +215,29 @@ class PlaitTrainer(Trainer):
             return False
         per_sequence = [packs_per_sequence(_bare(m)) for m in (self._policy, *self.held_models()) if _bare(m) is not None]
         return bool(wanted) or all(per_sequence)
+
+    def wants_prefix_sharing(self, args) -> bool | None:
+        """Whether a padding-free batch of preference pairs computes each pair's prompt once
+        (``collator.preference_prefix_shared``): True, False, or None for "where every model's
+        attention reads a branch" (:func:`plait.attention.shares_prefixes`). ``make_collator`` reads the
+        answer as ``self.prefix_sharing``."""
+        return False
+
+    def _prefix_sharing(self, args) -> bool:
+        wanted = self.wants_prefix_sharing(args)
+        if wanted is False:
+            return False
+        if not self.padding_free:
+            if wanted:
+                raise PlaitError("prefix_sharing=True shares prompts within a padding-free batch, and this run's batches are "
+                                 "padded: set padding_free=True (or None), or prefix_sharing=None")
+            return False
+        models = [m for m in map(_bare, (self._policy, *self.held_models())) if m is not None]
+        unable = [m.config._attn_implementation for m in models if not shares_prefixes(m)]
+        if wanted and unable:
+            raise PlaitError(f"prefix_sharing=True needs attn_implementation={SEQUENCE_SDPA!r} (no sliding window), which "
+                             f"attends a branch to its prompt; the model has {unable[0]!r}: set prefix_sharing=None")
+        return not unable
 
     def make_collator(self, processing_class, args):
         raise NotImplementedError

@@ -46,6 +46,66 @@ def test_outputs_and_gradients_equal_sdpa_with_its_block_mask(lengths):
         torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_segments_of_a_row_with_branches_by_hand():
+    from plait.attention import Segment, packed_segments
+
+    #            root [0 1 2 3] | branch from 2 | branch from 3 | own [0 1] | p>0 after no root | too long a prefix
+    positions = [0, 1, 2, 3, 2, 3, 3, 4, 5, 0, 1, 4, 5, 2, 3, 4]
+    # after [0 1] a branch from 2 would reach past its root's 2 tokens: a sequence of its own
+    assert packed_segments(torch.tensor([positions]), len(positions)) == [
+        Segment(0, 4, 0, 0), Segment(4, 2, 2, 0), Segment(6, 3, 3, 0), Segment(9, 2, 0, 3),
+        Segment(11, 2, 0, 4), Segment(13, 3, 0, 5)]
+    assert packed_segments(torch.tensor([[3, 4, 5]]), 3) is None  # one sequence, wherever it starts
+
+
+def branch_row(shape, seed=0):
+    """A packed row of roots, each followed by branches continuing a prefix of it, and the same tokens
+    as the full sequences run alone: [(ids alone, where its packed tokens sit in it, their packed places)]."""
+    g = torch.Generator().manual_seed(seed)
+    ids, positions, alone = [], [], []
+    for root_size, branches in shape:
+        root = torch.randint(3, 500, (root_size,), generator=g)
+        start = len(ids)
+        alone.append((root, list(range(root_size)), list(range(start, start + root_size))))
+        ids += root.tolist()
+        positions += range(root_size)
+        for prefix, size in branches:
+            prefix = min(prefix, root_size)
+            if prefix == positions[-1] + 1:  # it would read as the segment before it going on
+                prefix -= 1
+            if not prefix:
+                continue
+            own = torch.randint(3, 500, (size,), generator=g)
+            start = len(ids)
+            alone.append((torch.cat([root[:prefix], own]), list(range(prefix, prefix + size)), list(range(start, start + size))))
+            ids += own.tolist()
+            positions += range(prefix, prefix + size)
+    return torch.tensor([ids]), torch.tensor([positions]), alone
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.lists(st.tuples(st.integers(1, 12), st.integers(1, 8)), max_size=3)),
+                min_size=1, max_size=3))
+def test_a_branch_gets_the_outputs_and_gradients_of_its_full_sequence_run_alone(shape):
+    ids, positions, alone = branch_row(shape)
+    ours, reference = model(), model()
+    assert packs_per_sequence(ours)
+    weights = torch.randn(ids.shape[1], CONFIG.hidden_size, generator=torch.Generator().manual_seed(1))
+
+    hidden = ours.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[0]
+    (hidden * weights).sum().backward()
+    expected, loss = torch.zeros_like(hidden), 0
+    for sequence, own, packed_at in alone:  # each token counted once: where it sits in the packed row
+        out = reference.model(input_ids=sequence[None], use_cache=False).last_hidden_state[0, own]
+        expected[packed_at] = out.detach()
+        loss = loss + (out * weights[packed_at]).sum()
+    loss.backward()
+    torch.testing.assert_close(hidden.detach(), expected, atol=1e-5, rtol=1e-5)
+    for (name, mine), theirs in zip(ours.named_parameters(), reference.parameters(), strict=True):
+        if theirs.grad is not None:  # rounding of sums whose terms reach ~100
+            torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
 def test_each_sequence_is_attended_alone_without_a_mask(monkeypatch):
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -86,7 +146,7 @@ def test_a_model_whose_attention_ignores_position_ids_stays_as_it_was(monkeypatc
     m = model()
     # as an architecture that never hands position_ids to its attention layers
     from plait import attention
-    monkeypatch.setattr(attention, "sequence_starts", lambda position_ids, length: None)
+    monkeypatch.setattr(attention, "packed_segments", lambda position_ids, length: None)
     assert not packs_per_sequence(m)
     assert m.config._attn_implementation == "sdpa"
 

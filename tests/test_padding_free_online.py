@@ -41,6 +41,35 @@ def test_packed_rows_give_the_padded_rows_log_probs_and_entropies(rows, multiple
         assert torch.all(mine[~mask] == 0)  # padding holds nothing
 
 
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(ids.filter(bool), st.lists(ids, min_size=1, max_size=3)), min_size=1, max_size=3))
+def test_a_groups_prompt_is_computed_once_for_the_same_log_probs(groups):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path()).eval()
+    assert plait.attention.packs_per_sequence(model)  # plait_sdpa: it reads a branch
+    prompts = [p for p, completions in groups for _ in completions]
+    completions = [c for _, completions in groups for c in completions]
+    batch = pack(prompts, completions, pad_id=0, device="cpu")
+    width = batch["prompt_length"]
+    select = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
+    select[:, width:] = True
+    kwargs = dict(temperature=0.7, with_entropy=True, select=select)
+    seen = []
+    handle = model.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    with torch.no_grad():
+        padded = token_logprobs(model, batch["input_ids"], batch["attention_mask"], **kwargs)
+        flat = packed_token_logprobs(token_logprobs, model, batch["input_ids"], batch["attention_mask"],
+                                     share_prompts=True, **kwargs)
+    handle.remove()
+    # each distinct prompt once, and its last token once more in each further completion of it
+    distinct = {tuple(p): len(p) for p in prompts}
+    assert seen[-1] == sum(distinct.values()) + len(prompts) - len(distinct) + sum(map(len, completions))
+    mask = batch["completion_mask"].bool()
+    for name in ("logps", "entropy"):
+        mine, theirs = getattr(flat, name)[:, width:], getattr(padded, name)[:, width:]
+        torch.testing.assert_close(mine[mask], theirs[mask], atol=2e-5, rtol=1e-5)
+        assert torch.all(mine[~mask] == 0)
+
 def test_one_forward_over_the_real_tokens_with_positions_restarting():
     seen = {}
 

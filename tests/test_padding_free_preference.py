@@ -12,10 +12,10 @@ from hypothesis import given, settings, strategies as st
 from transformers import AutoTokenizer
 
 from plait import PlaitError, make_plugins
-from plait.attention import packs_per_sequence
+from plait.attention import Segment, packed_segments, packs_per_sequence, shares_prefixes
 from plait.batches import PreferenceLogps
 from plait.logprobs import token_logprobs
-from plait.plugins.data._collate import row_token_logprobs, rows_from_flat
+from plait.plugins.data._collate import padded_length, row_token_logprobs, rows_from_flat
 from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
 from plait.plugins.methods.kto import KTOConfig, KTOTrainer
 from plait.plugins.methods.reward_model import RewardConfig, RewardTrainer
@@ -54,12 +54,58 @@ def test_one_row_holds_every_sequence_and_maps_back_to_the_padded_rows(triples, 
     torch.testing.assert_close(flat["ref_chosen_logps"], padded["ref_chosen_logps"])
 
 
+def contexts(ids: list[int], positions: list[int]) -> list[list[int]]:
+    """What each token of a packed row attends to, as plait_sdpa reads the row (plait.attention.packed_segments)."""
+    segments = packed_segments(torch.tensor([positions]), len(ids)) or [Segment(0, len(ids), 0, 0)]
+    out = []
+    for s in segments:
+        prefix = ids[segments[s.root].start:segments[s.root].start + s.prefix]
+        out += [prefix + ids[s.start:s.start + k + 1] for k in range(s.size)]
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([[], [7], [7, 8, 9], [9, 8, 7, 6]]), ids, st.lists(st.integers(0, 999), max_size=6)),
+                min_size=1, max_size=5), st.sampled_from([None, 1, 8]))
+def test_prefix_shared_rows_map_back_to_the_padded_rows_each_prompt_held_once(triples, multiple):
+    examples = [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r, "margin": 1.0 * i} for i, (p, c, r) in enumerate(triples)]
+    shared = collate("collator.preference_prefix_shared", examples, pad_to_multiple_of=multiple)
+    padded = collate("collator.preference", examples)
+    rows = [p + c for p, c, _ in triples] + [p + r for p, _, r in triples]
+    ids, positions = shared["input_ids"][0].tolist(), shared["position_ids"][0].tolist()
+    # every token of every row attends to exactly its own row's tokens up to it, at its own position
+    seen = contexts(ids, positions)
+    for i, row in enumerate(rows):
+        for j, place in enumerate(shared["seq_index"][i, :len(row)].tolist()):
+            assert positions[place] == j and seen[place] == row[:j + 1]
+    # each distinct prompt once, but its last token in each later row that shares it (a rejected row
+    # of only padding to read is laid out whole); rounding: one more sequence of padding
+    pad_id, first = TOK.pad_token_id, {}
+    for row, (p, _, _) in zip(rows, triples * 2):
+        first.setdefault(tuple(p), row)
+    held = sum(len(p) - 1 for row, (p, _, _) in zip(rows, triples * 2)
+               if first[tuple(p)] is not row and len(p) > 1 and any(t != pad_id for t in row[len(p) - 1:]))
+    total = sum(map(len, rows)) - held
+    assert len(ids) == padded_length(total, multiple) and positions[total:] == list(range(len(ids) - total))
+    torch.testing.assert_close(shared["completion_mask"], padded["completion_mask"])
+    assert shared["seq_lengths"].tolist() == padded["attention_mask"].sum(1).tolist()
+    back = rows_from_flat(shared["input_ids"], shared["seq_lengths"], padded["input_ids"].shape[1], index=shared["seq_index"])
+    torch.testing.assert_close(back, padded["input_ids"] * padded["attention_mask"])
+    assert shared["margin"].tolist() == [1.0 * i for i in range(len(triples))]
+
+
 def test_rows_from_flat_by_hand_and_its_gradient():
     values = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 9.0]], requires_grad=True)  # 9.0: rounding tail
     rows = rows_from_flat(values, torch.tensor([2, 1, 3]), width=4)
     assert rows.tolist() == [[1, 2, 0, 0], [3, 0, 0, 0], [4, 5, 6, 0]]
     (rows * torch.arange(1.0, 5.0)).sum().backward()
     assert values.grad.tolist() == [[1, 2, 1, 1, 2, 3, 0]]
+    # a row may borrow another's tokens (a rejected row's prompt): gradients add up where they meet
+    values.grad = None
+    rows = rows_from_flat(values, torch.tensor([3, 3]), width=3, index=torch.tensor([[0, 1, 2], [0, 3, 4]]))
+    assert rows.tolist() == [[1, 2, 3], [1, 4, 5]]
+    (rows * torch.arange(1.0, 4.0)).sum().backward()
+    assert values.grad.tolist() == [[2, 2, 3, 2, 3, 0, 0]]
 
 
 def variable_pairs(n, seed=0):
@@ -71,10 +117,13 @@ def variable_pairs(n, seed=0):
                                "rejected": " " + text(rng.randint(1, 15))} for _ in range(n)])
 
 
-def trainer(tmp_path, padding_free, **overrides):
+LAYOUTS = {"padded": {"padding_free": False}, "padding-free": {"padding_free": True, "prefix_sharing": False},
+           "prompts shared": {"padding_free": True, "prefix_sharing": True}}
+
+
+def trainer(tmp_path, layout, **overrides):
     values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3,
-                  report_to="none", save_strategy="no", seed=0, max_length=64, padding_free=padding_free,
-                  logging_steps=1)
+                  report_to="none", save_strategy="no", seed=0, max_length=64, logging_steps=1, **LAYOUTS[layout])
     # a reference other than the policy, so log-ratios and margins are not all zero
     return DPOTrainer(str(tiny_model_path()), ref_model=noisy_tiny_model(scale=0.05),
                       args=DPOConfig(**{**values, **overrides}), train_dataset=variable_pairs(8))
@@ -96,12 +145,15 @@ def loss_and_gradients(t):
     {"use_weighting": True},  # WPO: per-token collision log-probs
     {"pad_to_multiple_of": 16},
 ], ids=["sigmoid", "composed", "ld_alpha", "wpo", "multiple"])
-def test_dpo_loss_and_gradients_equal_the_padded_path(tmp_path, overrides):
-    padded_loss, padded_grads, padded_batch = loss_and_gradients(trainer(tmp_path, False, **overrides))
-    free_loss, free_grads, free_batch = loss_and_gradients(trainer(tmp_path, True, **overrides))
-    # the layouts really differ: 2B padded rows against one row with no pad token
+@pytest.mark.parametrize("layout", ["padding-free", "prompts shared"])
+def test_dpo_loss_and_gradients_equal_the_padded_path(tmp_path, overrides, layout):
+    padded_loss, padded_grads, padded_batch = loss_and_gradients(trainer(tmp_path, "padded", **overrides))
+    free_loss, free_grads, free_batch = loss_and_gradients(trainer(tmp_path, layout, **overrides))
+    # the layouts really differ: 2B padded rows against one row with no pad token (and each prompt once)
     assert padded_batch["input_ids"].shape[0] == 16 and free_batch["input_ids"].shape[0] == 1
     assert free_batch["seq_lengths"].sum() < 0.8 * padded_batch["input_ids"].numel()
+    held = free_batch["seq_lengths"].sum() - free_batch["input_ids"].shape[1]  # tokens held once for two rows
+    assert held >= 8 * 2 - 15 if layout == "prompts shared" else held <= 0  # 8 prompts of 3+ tokens; a rounding tail
     assert padded_loss.item() != pytest.approx(math.log(2), abs=1e-3)  # a real margin, not the zero-margin value
     torch.testing.assert_close(free_loss, padded_loss, atol=1e-5, rtol=0)
     for name, grad in padded_grads.items():
@@ -109,13 +161,14 @@ def test_dpo_loss_and_gradients_equal_the_padded_path(tmp_path, overrides):
     assert any(grad.abs().max() > 1e-3 for grad in padded_grads.values())
 
 
-def test_training_steps_and_cached_reference_equal_the_padded_path(tmp_path):
+@pytest.mark.parametrize("layout", ["padding-free", "prompts shared"])
+def test_training_steps_and_cached_reference_equal_the_padded_path(tmp_path, layout):
     runs = {}
-    for padding_free in (False, True):
-        t = trainer(tmp_path / str(padding_free), padding_free, precompute_ref_log_probs=True)
-        runs[padding_free] = t.train_dataset, t
+    for name in ("padded", layout):
+        t = trainer(tmp_path / name, name, precompute_ref_log_probs=True)
+        runs[name] = t.train_dataset, t
         t.train()
-    (padded_data, padded), (free_data, free) = runs[False], runs[True]
+    (padded_data, padded), (free_data, free) = runs["padded"], runs[layout]
     for column in ("ref_chosen_logps", "ref_rejected_logps"):
         torch.testing.assert_close(torch.tensor(free_data[column]), torch.tensor(padded_data[column]), atol=1e-5, rtol=0)
     logged = [[e["loss"] for e in t.state.log_history if "loss" in e] for t in (padded, free)]
@@ -139,25 +192,30 @@ ARCHITECTURES = {
 }
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager", "plait_sdpa"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "plait_sdpa", "plait_sdpa, prompts shared"])
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 def test_packed_rows_give_each_sequence_its_own_log_probs(architecture, attention):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(ARCHITECTURES[architecture],
-                                                          attn_implementation=attention.removeprefix("plait_"))
-    if attention == "plait_sdpa":
+                                                          attn_implementation=attention.removeprefix("plait_").split(",")[0])
+    if attention.startswith("plait_sdpa"):
         assert packs_per_sequence(model) and model.config._attn_implementation == "plait_sdpa"
+    sharing = attention.endswith("prompts shared")
+    assert shares_prefixes(model) is (attention.startswith("plait_sdpa") and "sliding" not in architecture)
+    if sharing and not shares_prefixes(model):
+        pytest.skip("a sliding window's mask keeps each segment to itself: plait shares no prompt there")
     rng = random.Random(1)
     examples = [{"prompt_ids": [rng.randrange(5, 1000) for _ in range(rng.randint(1, 9))],
                  "chosen_ids": [rng.randrange(5, 1000) for _ in range(rng.randint(1, 12))],
                  "rejected_ids": [rng.randrange(5, 1000) for _ in range(rng.randint(1, 12))]} for _ in range(3)]
     padded = collate("collator.preference", examples)
-    free = collate("collator.preference_padding_free", examples)
+    free = collate("collator.preference_prefix_shared" if sharing else "collator.preference_padding_free", examples)
     with torch.no_grad():
         expected = row_token_logprobs(token_logprobs, model, padded, with_entropy=True)
         got = row_token_logprobs(token_logprobs, model, free, with_entropy=True)
-    real = padded["attention_mask"].bool()
-    real[:, 0] = False  # a row's first token has no log-prob in either layout
+    # a row's first token has no log-prob in either layout, nor, prompts shared, a rejected row's prompt
+    real = padded["completion_mask"].bool() if sharing else padded["attention_mask"].bool()
+    real[:, 0] = False
     for field in ("logps", "entropy"):
         torch.testing.assert_close(getattr(got, field)[real], getattr(expected, field)[real], atol=1e-5, rtol=1e-5)
 
@@ -189,6 +247,10 @@ def kto_trainer(tmp_path, padding_free):
                       train_dataset=unpaired_rows(8))
 
 
+def reward_trainer_unshared(tmp_path, padding_free):
+    return reward_trainer(tmp_path, padding_free, prefix_sharing=False)
+
+
 def reward_trainer(tmp_path, padding_free, **overrides):
     args = RewardConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, report_to="none", save_strategy="no",
                         max_length=64, padding_free=padding_free, center_rewards_coefficient=0.01, **overrides)
@@ -207,10 +269,14 @@ def test_reward_pooled_positions_by_hand():
     lengths = torch.tensor([3, 2, 1, 3])
     assert pooled_positions(ids, lengths, pad_id=2).tolist() == [1, 3, 5, 7]  # an all-pad sequence: its first token
     assert pooled_positions(ids, lengths, pad_id=None).tolist() == [2, 4, 5, 8]
+    # prompts shared: [5 6 2 7] then the branch [6 2] of a row [5 6 2]; its pad-only end reads the 6 in the branch
+    ids = torch.tensor([5, 6, 2, 7, 6, 2])
+    index = torch.tensor([[0, 1, 2, 3], [0, 4, 5, 0]])
+    assert pooled_positions(ids, torch.tensor([4, 3]), pad_id=2, index=index).tolist() == [3, 4]
 
 
-@pytest.mark.parametrize("make", [kto_trainer, reward_trainer, reward_trainer_eos_as_pad],
-                         ids=["kto", "reward_model", "reward_model, EOS as pad"])
+@pytest.mark.parametrize("make", [kto_trainer, reward_trainer, reward_trainer_unshared, reward_trainer_eos_as_pad],
+                         ids=["kto", "reward_model", "reward_model, prompts not shared", "reward_model, EOS as pad"])
 def test_kto_and_reward_model_losses_and_gradients_equal_the_padded_path(tmp_path, make):
     padded_loss, padded_grads, padded_batch = loss_and_gradients(make(tmp_path, False))
     free_trainer = make(tmp_path, None)
@@ -237,3 +303,20 @@ def test_reward_model_padding_free_needs_a_per_token_score_head(tmp_path):
 def reward_trainer_with(tmp_path, model, padding_free):
     args = RewardConfig(output_dir=str(tmp_path), report_to="none", max_length=64, padding_free=padding_free)
     return RewardTrainer(model, args=args, train_dataset=variable_pairs(2), processing_class=TOK)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"padding_free": False, "prefix_sharing": True},
+     r"prefix_sharing=True shares prompts within a padding-free batch, and this run's batches are padded: set "
+     r"padding_free=True \(or None\), or prefix_sharing=None"),
+    ({"padding_free": True, "prefix_sharing": True, "model_init_kwargs": {"attn_implementation": "eager"}},
+     r"prefix_sharing=True needs attn_implementation='plait_sdpa' \(no sliding window\), which attends a branch to "
+     r"its prompt; the model has 'eager': set prefix_sharing=None"),
+])
+def test_prefix_sharing_asked_for_where_it_cannot_run_is_one_line(tmp_path, overrides, message):
+    args = DPOConfig(output_dir=str(tmp_path), report_to="none", **overrides)
+    with pytest.raises(PlaitError, match=message):
+        DPOTrainer(str(tiny_model_path()), args=args, train_dataset=variable_pairs(2))
+    eager = {"padding_free": True, "model_init_kwargs": {"attn_implementation": "eager"}}
+    assert DPOTrainer(str(tiny_model_path()), args=DPOConfig(output_dir=str(tmp_path), report_to="none", **eager),
+                      train_dataset=variable_pairs(2)).prefix_sharing is False  # None: shared only where it can be

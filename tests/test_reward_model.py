@@ -88,19 +88,23 @@ def test_trained_folder_is_usable_as_a_reward(trained):
     assert (chosen > rejected).float().mean() > 0.9
 
 
-@pytest.mark.parametrize("padding_free", [False, None], ids=["padded", "default: padding-free"])
-def test_loss_is_bradley_terry_with_margin_and_centring_on_the_last_real_token(tmp_path, padding_free):
+@pytest.mark.parametrize("padding_free, prefix_sharing", [(False, None), (None, False), (None, None)],
+                         ids=["padded", "padding-free", "default: padding-free, prompts shared"])
+def test_loss_is_bradley_terry_with_margin_and_centring_on_the_last_real_token(tmp_path, padding_free, prefix_sharing):
     data = pairs(WORDS[:3]).add_column("margin", [0.5, -1.0, 2.0])
     data = data.map(lambda row, i: {"chosen": row["chosen"] + " Truly." * i}, with_indices=True)  # ragged lengths
     trainer = RewardTrainer(str(tiny_model_path()), train_dataset=data,
-                            args=config(tmp_path, center_rewards_coefficient=0.01, padding_free=padding_free))
+                            args=config(tmp_path, center_rewards_coefficient=0.01, padding_free=padding_free,
+                                        prefix_sharing=prefix_sharing))
     rows = [trainer.train_dataset[i] for i in range(3)]
     batch = trainer.data_collator(rows)
     assert batch["margin"].tolist() == [0.5, -1.0, 2.0]
     if padding_free is False:
         assert (batch["input_ids"] == trainer.processing_class.pad_token_id).any()  # some rows are padded
     else:  # the tiny Llama's attention runs per sequence: the 6 sequences back to back, no pad token
-        assert trainer.padding_free and batch["input_ids"].shape == (1, batch["seq_lengths"].sum())
+        shared = 0 if prefix_sharing is False else sum(len(r["prompt_ids"]) - 1 for r in rows)  # each prompt once, but its last token
+        assert trainer.padding_free and trainer.prefix_sharing is (prefix_sharing is None)
+        assert batch["input_ids"].shape == (1, batch["seq_lengths"].sum() - shared)
     # each row scores what the row alone scores: the head reads its last real token
     chosen = torch.tensor([single_reward(trainer.model, r["prompt_ids"] + r["chosen_ids"]) for r in rows])
     rejected = torch.tensor([single_reward(trainer.model, r["prompt_ids"] + r["rejected_ids"]) for r in rows])

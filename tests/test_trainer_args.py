@@ -136,10 +136,14 @@ def test_preference_compute_metrics_get_trls_predictions(tiny_model_path, tmp_pa
     assert dpo.evaluate()["eval_rows"] == 2 * len(PAIRS)
     logits, ids = got["dpo"].predictions, got["dpo"].label_ids  # TRL 1.16: the rows' logits and their input_ids
     assert logits.shape == (*ids.shape, dpo.model.config.vocab_size)
-    assert dpo.padding_free  # the default here: the rows are put back as TRL hands them out
+    assert dpo.padding_free and dpo.prefix_sharing  # the defaults here: the rows are put back as TRL hands them out
     padded = dpo.plugins.collators.get("collator.preference").obj(dpo.processing_class)
     batch = padded([dpo.eval_dataset[i] for i in range(len(PAIRS))])
     assert (ids == batch["input_ids"].numpy()).all()  # chosen rows, then rejected rows
+    with torch.no_grad():  # each row's logits, a rejected row's prompt's included, are its padded forward's
+        expected = dpo.model.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(torch.tensor(logits)[real], expected[real], atol=1e-4, rtol=1e-4)
 
     with pytest.raises(PlaitError, match="DistillTrainer does not take compute_metrics: its evaluation rows are prompts"):
         plait.DistillTrainer("/nonexistent", teacher_model="/nonexistent", args=plait.DistillConfig(**common(tmp_path)),

@@ -122,28 +122,54 @@ def trained_mask(example: dict) -> list[int]:
     return [1] * len(example["input_ids"])
 
 
-def rows_from_flat(values: torch.Tensor, lengths: torch.Tensor, width: int, fill: float = 0) -> torch.Tensor:
+def contiguous_index(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """``[rows, width]``: where each token of each row sits in a padding-free row holding the rows back
+    to back in order (padding points at the row's own start)."""
+    starts = lengths.cumsum(0) - lengths
+    inside = torch.arange(width, device=lengths.device) < lengths[:, None]
+    return torch.where(inside, starts[:, None] + torch.arange(width, device=lengths.device), starts[:, None])
+
+
+def rows_from_flat(values: torch.Tensor, lengths: torch.Tensor, width: int, fill: float = 0,
+                   index: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token values of a padding-free row ``[1, N, ...]`` laid out as right-padded rows
-    ``[len(lengths), width, ...]``, ``fill`` in the padding (the row's sequences in order; a rounding
-    tail beyond ``lengths.sum()`` is dropped). Gradients flow back to ``values``."""
+    ``[len(lengths), width, ...]``, ``fill`` in the padding. ``index`` ``[rows, ≥width]`` says where each
+    row's tokens sit in the flat row (a prefix-shared batch's ``seq_index``); default, the rows back to
+    back in order (a rounding tail beyond ``lengths.sum()`` is dropped). Gradients flow back to ``values``."""
     lengths = lengths.to(values.device)
-    layout = torch.arange(width, device=values.device) < lengths[:, None]
-    layout = layout.reshape(*layout.shape, *[1] * (values.dim() - 2))
-    rows = values.new_full((len(lengths), width, *values.shape[2:]), fill)
-    return rows.masked_scatter(layout, values[0, : int(lengths.sum())])
+    index = contiguous_index(lengths, width) if index is None else index[:, :width].to(values.device)
+    inside = torch.arange(width, device=values.device) < lengths[:, None]
+    inside = inside.reshape(*inside.shape, *[1] * (values.dim() - 2))
+    return values[0][index].masked_fill(~inside, fill)
 
 
-def row_token_logprobs(token_logprobs, model, batch: dict, prefix: str = "", **kwargs):
+def flat_index(batch: dict, prefix: str = "") -> torch.Tensor:
+    """Where each token of each row of a padding-free batch sits in its flat row, ``[rows, T]``."""
+    if f"{prefix}seq_index" in batch:
+        return batch[f"{prefix}seq_index"]
+    return contiguous_index(batch[f"{prefix}seq_lengths"], batch[f"{prefix}completion_mask"].shape[1])
+
+
+def row_token_logprobs(token_logprobs, model, batch: dict, prefix: str = "", completion_only: bool = False, **kwargs):
     """``token_logprobs(model, ...)`` for the rows of a collated batch, ``[rows, T]`` aligned with its
     ``completion_mask``, whatever its layout: padded (``input_ids``, ``attention_mask``) or
     padding-free (``input_ids``, ``position_ids`` ``[1, N]`` and ``seq_lengths``; one forward over
-    the flat row, each statistic put back in its row). ``prefix`` selects keys (``"kl_"``)."""
+    the flat row, each statistic put back in its row). ``prefix`` selects keys (``"kl_"``).
+    ``completion_only`` computes the statistics of completion tokens only (the rest are 0): the
+    output layer then projects only the positions that predict them."""
     ids = batch[f"{prefix}input_ids"]
+    mask = batch[f"{prefix}completion_mask"]
     if f"{prefix}position_ids" not in batch:
         extra = model_inputs(batch, prefix=prefix)  # a VLM's pixel_values etc. (plait.vision)
-        return token_logprobs(model, ids, batch[f"{prefix}attention_mask"], **extra, **kwargs)
-    out = token_logprobs(model, ids, position_ids=batch[f"{prefix}position_ids"], **kwargs)
-    lengths, width = batch[f"{prefix}seq_lengths"], batch[f"{prefix}completion_mask"].shape[1]
-    per_row = {name: rows_from_flat(value, lengths, width)
+        select = mask if completion_only else None
+        return token_logprobs(model, ids, batch[f"{prefix}attention_mask"], select=select, **extra, **kwargs)
+    index = flat_index(batch, prefix)
+    select = None
+    if completion_only:
+        select = torch.zeros_like(ids, dtype=torch.bool)
+        select[0, index.to(ids.device)[mask.bool()]] = True
+    out = token_logprobs(model, ids, position_ids=batch[f"{prefix}position_ids"], select=select, **kwargs)
+    lengths, width = batch[f"{prefix}seq_lengths"], mask.shape[1]
+    per_row = {name: rows_from_flat(value, lengths, width, index=index)
                for name, value in attrs.asdict(out, recurse=False).items() if value is not None}
     return attrs.evolve(out, **per_row)

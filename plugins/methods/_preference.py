@@ -89,7 +89,8 @@ class PreferenceTrainer(PlaitTrainer):
 
     def preference_logps(self, model, inputs) -> tuple[PreferenceLogps, torch.Tensor]:
         """The policy's log-probs of the 2B rows as a reference-free batch, and each row's mean logit."""
-        out = row_token_logprobs(self.token_logprobs, model, inputs, with_logit_mean=True)
+        out = row_token_logprobs(self.token_logprobs, model, inputs, completion_only=not self.trains_on_prompt,
+                                 with_logit_mean=True)
         mask = inputs["completion_mask"]
         chosen, rejected = (out.logps * mask).sum(-1).chunk(2)
         lengths_chosen, lengths_rejected = mask.sum(-1).to(chosen.dtype).chunk(2)

@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from plait.models import Reference, SyncReference, cached_tensors
-from plait.plugins.data._collate import pad_token_id, rows_from_flat
+from plait.plugins.data._collate import flat_index, pad_token_id, rows_from_flat
 from plait.trainer import PlaitTrainer
 
 
@@ -56,8 +56,9 @@ class ReferenceTrainer(PlaitTrainer):
         logits, ids = super().eval_predictions(model, inputs)
         if "seq_lengths" not in inputs:
             return logits, ids
-        lengths, width = inputs["seq_lengths"], inputs["completion_mask"].shape[1]
-        return rows_from_flat(logits, lengths, width), rows_from_flat(ids, lengths, width, pad_token_id(self.processing_class))
+        lengths, width, index = inputs["seq_lengths"], inputs["completion_mask"].shape[1], flat_index(inputs)
+        return (rows_from_flat(logits, lengths, width, index=index),
+                rows_from_flat(ids, lengths, width, pad_token_id(self.processing_class), index=index))
 
     def with_reference_logps(self, dataset, processing_class, args, columns: Sequence[str],
                              compute: Callable[[dict], Sequence[torch.Tensor]], **depends_on):

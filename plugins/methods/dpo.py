@@ -22,6 +22,7 @@ from plait.models import ReferenceSync
 from plait.objective import LossChoice, Objective
 from plait.params import in_range, positive
 from plait.plugins.data._collate import pad_multiple_field, row_token_logprobs
+from plait.plugins.data.collators.preference import preference_collator_name
 
 from ._reference import ReferenceTrainer
 
@@ -46,6 +47,9 @@ class DPOParams(ReferenceSync, LossChoice):
     # chosen and rejected sequences back to back in one row, no padding (plait.plugins.data.collators.preference);
     # None: where the models' attention runs per sequence (plait.attention; TRL 1.16 defaults False)
     padding_free: bool | None = None
+    # plait's: in a padding-free batch each pair's prompt is computed once (plait.attention.packed_segments);
+    # None: where the models' attention can (plait_sdpa)
+    prefix_sharing: bool | None = None
     # DiscoPOP's temperature (loss_type='discopop'; Lu et al. 2024)
     discopop_tau: float = attrs.field(default=0.05, validator=positive)
     precompute_ref_log_probs: bool = False
@@ -119,14 +123,17 @@ class DPOTrainer(ReferenceTrainer):
                 ld_alpha=p.ld_alpha)
         return dataset
 
+    def wants_prefix_sharing(self, args) -> bool | None:
+        return args.params.prefix_sharing
+
     def make_collator(self, processing_class, args):
-        name = "collator.preference_padding_free" if self.padding_free else "collator.preference"
+        name = preference_collator_name(self.padding_free, self.prefix_sharing)
         return self.plugins.collators.get(name).obj(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
 
     # -- one step -----------------------------------------------------------------------------
     def completion_logps(self, model, inputs) -> tuple[torch.Tensor, object]:
         """Summed log-probs over each row's completion (LD-DPO reweights the tail beyond the shorter one)."""
-        out = row_token_logprobs(self.token_logprobs, model, inputs, with_logit_mean=True,
+        out = row_token_logprobs(self.token_logprobs, model, inputs, completion_only=True, with_logit_mean=True,
                                  with_collision=self.args.params.use_weighting)
         return (out.logps * self._token_weights(inputs["completion_mask"])).sum(-1), out
 

@@ -173,7 +173,7 @@ class KTOTrainer(ReferenceTrainer):
     # -- one step -----------------------------------------------------------------------------
     def completion_logps(self, model, inputs, prefix: str = "") -> torch.Tensor:
         """Summed log-probs of each row's completion, ``[B]`` (``prefix="kl_"``: the mismatched pairs)."""
-        out = row_token_logprobs(self.token_logprobs, model, inputs, prefix=prefix)  # padded or padding-free
+        out = row_token_logprobs(self.token_logprobs, model, inputs, prefix=prefix, completion_only=True)
         return (out.logps * inputs[f"{prefix}completion_mask"]).sum(-1)
 
     def kl_logratios(self, model, inputs) -> torch.Tensor:

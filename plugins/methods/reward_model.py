@@ -24,7 +24,8 @@ from plait.config import method_config
 from plait.data import prepare_dataset
 from plait.objective import LossChoice, Objective
 from plait.params import non_negative, positive
-from plait.plugins.data._collate import pad_multiple_field, pad_token_id
+from plait.plugins.data._collate import contiguous_index, pad_multiple_field, pad_token_id
+from plait.plugins.data.collators.preference import preference_collator_name
 from plait.trainer import PlaitTrainer
 
 logger = logging.getLogger("plait")
@@ -45,6 +46,9 @@ class RewardParams(LossChoice):
     # plait's (TRL 1.16's RewardConfig has none): the 2B sequences back to back in one row, no padding;
     # None: where the model's attention runs per sequence (plait.attention) and it has a score head
     padding_free: bool | None = None
+    # plait's: in a padding-free batch each pair's prompt is computed once (plait.attention.packed_segments);
+    # None: where the model's attention can (plait_sdpa)
+    prefix_sharing: bool | None = None
     model_init_kwargs: dict | None = None
     dataset_num_proc: int | None = None
 
@@ -96,16 +100,21 @@ def head_trainable(peft_config, task_type: str = "SEQ_CLS", who: str = "reward m
     return peft_config
 
 
-def pooled_positions(ids: torch.Tensor, lengths: torch.Tensor, pad_id: int | None) -> torch.Tensor:
-    """For each sequence of a padding-free row ``ids`` ``[N]``, the position its classifier reads:
-    its last token that is not ``pad_id`` (its first when all are), as transformers pools padded rows."""
+def pooled_positions(ids: torch.Tensor, lengths: torch.Tensor, pad_id: int | None,
+                     index: torch.Tensor | None = None) -> torch.Tensor:
+    """For each sequence of a padding-free row ``ids`` ``[N]``, the place in the row its classifier
+    reads: its last token that is not ``pad_id`` (its first when all are), as transformers pools padded
+    rows. ``index`` ``[rows, ≥max(lengths)]``: where each sequence's tokens sit in the row (a
+    prefix-shared batch's ``seq_index``); default, the sequences back to back in order."""
     lengths = lengths.to(ids.device)
-    starts = lengths.cumsum(0) - lengths
-    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=ids.device), lengths)
-    offset = torch.arange(len(sequence), device=ids.device) - starts[sequence]
-    readable = offset if pad_id is None else torch.where(ids[: len(sequence)] != pad_id, offset, 0)
-    last = torch.zeros_like(lengths).scatter_reduce(0, sequence, readable, "amax")
-    return starts + last
+    width = int(lengths.max())
+    index = contiguous_index(lengths, width) if index is None else index[:, :width].to(ids.device)
+    offsets = torch.arange(width, device=ids.device)
+    readable = offsets < lengths[:, None]
+    if pad_id is not None:
+        readable &= ids[index] != pad_id
+    last = torch.where(readable, offsets, 0).amax(1)
+    return index.gather(1, last[:, None])[:, 0]
 
 
 def score_head(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -166,8 +175,11 @@ class RewardTrainer(PlaitTrainer):
                              f"{type(self._policy).__name__} has none: set padding_free=False")
         return False  # a classifier without one pools inside its forward
 
+    def wants_prefix_sharing(self, args) -> bool | None:
+        return args.params.prefix_sharing
+
     def make_collator(self, processing_class, args):
-        name = "collator.preference_padding_free" if self.padding_free else "collator.preference"
+        name = preference_collator_name(self.padding_free, self.prefix_sharing)
         return self.plugins.collators.get(name).obj(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
 
     def after_init(self) -> None:
@@ -195,7 +207,8 @@ class RewardTrainer(PlaitTrainer):
             model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False)
         finally:
             catch.remove()
-        scored = pooled_positions(inputs["input_ids"][0], inputs["seq_lengths"], self._policy.config.get_text_config().pad_token_id)
+        scored = pooled_positions(inputs["input_ids"][0], inputs["seq_lengths"], self._policy.config.get_text_config().pad_token_id,
+                                  inputs.get("seq_index"))
         return per_token[0][0, scored.to(per_token[0].device), 0]
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

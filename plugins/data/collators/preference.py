@@ -10,8 +10,9 @@ log-probs, and the per-row tensors (``completion_mask``, and the log-probs once
 import torch
 
 from plait import hookimpl
+from plait.attention import prompt_shared_layout
 
-from .._collate import check_multiple, flat_batch, pad_token_id, padded_batch, sequences
+from .._collate import check_multiple, flat_batch, pad, pad_token_id, padded_batch, padded_length, row_tensor, sequences
 
 PASSTHROUGH = ("ref_chosen_logps", "ref_rejected_logps", "margin")
 
@@ -28,6 +29,13 @@ def _add_passthrough(batch: dict, examples: list[dict], passthrough) -> dict:
         if all(ex.get(key) is not None for ex in examples):
             batch[key] = torch.tensor([float(ex[key]) for ex in examples], dtype=torch.float32)
     return batch
+
+
+def preference_collator_name(padding_free: bool, prefix_sharing: bool) -> str:
+    """The preference collator for a run's batch layout."""
+    if prefix_sharing:
+        return "collator.preference_prefix_shared"
+    return "collator.preference_padding_free" if padding_free else "collator.preference"
 
 
 def preference_collator(processing_class, *, pad_to_multiple_of=None, passthrough=PASSTHROUGH):
@@ -65,8 +73,37 @@ def preference_padding_free_collator(processing_class, *, pad_to_multiple_of=Non
     return collate
 
 
+def prefix_shared_batch(examples: list[dict], pad_id: int, multiple: int | None) -> dict:
+    """The ``2B`` rows in one row, each distinct prompt computed once (:func:`plait.attention.prompt_shared_layout`):
+    a pair is its chosen sequence, then its rejected completion as a branch of it. ``seq_index``
+    ``[2B, T]`` says where each token of each row (the padded layout's rows) has its hidden state in the
+    flat row: the rejected row's prompt, in its chosen sequence."""
+    rows, masks = _sequences(examples)
+    ids, positions, index = prompt_shared_layout(rows, [len(ex["prompt_ids"]) for ex in examples] * 2, pad_id)
+    extra = padded_length(len(ids), multiple) - len(ids)
+    return {"input_ids": row_tensor(ids + [pad_id] * extra), "position_ids": row_tensor(positions + list(range(extra))),
+            "seq_lengths": torch.tensor([len(row) for row in rows], dtype=torch.long),
+            "seq_index": pad(index, 0), "completion_mask": pad(masks, 0)}
+
+
+def preference_prefix_shared_collator(processing_class, *, pad_to_multiple_of=None, passthrough=PASSTHROUGH):
+    """``collator.preference_padding_free`` with each pair's prompt computed once (Wang & Hegde 2024,
+    "Accelerating Direct Preference Optimization with Prefix Sharing"): needs attention that reads
+    branches (:func:`plait.attention.shares_prefixes`). Returns ``input_ids`` and ``position_ids``
+    ``[1, N]``, and ``seq_lengths``, ``seq_index`` and ``completion_mask`` describing the ``2B`` rows as
+    ``collator.preference`` lays them out (:func:`prefix_shared_batch`)."""
+    pad_id, multiple = pad_token_id(processing_class), check_multiple(pad_to_multiple_of)
+
+    def collate(examples):
+        return _add_passthrough(prefix_shared_batch(examples, pad_id, multiple), examples, passthrough)
+
+    return collate
+
+
 @hookimpl
 def register_collators(register):
     register("collator.preference", preference_collator, doc="2B rows [chosen; rejected] with shared padding and completion_mask.")
     register("collator.preference_padding_free", preference_padding_free_collator,
              doc="2B sequences [chosen; rejected] back to back in one row, position_ids restart per sequence, no padding.")
+    register("collator.preference_prefix_shared", preference_prefix_shared_collator,
+             doc="Padding-free pairs, each prompt computed once: the rejected completion a branch of the chosen sequence.")
