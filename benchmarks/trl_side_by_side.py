@@ -23,7 +23,8 @@ tokenises to exactly the asked length: SFT rows of ``L`` tokens; preference rows
 prompt and ``L/2``-token completions; GRPO prompts of ``L`` tokens with 4 completions of 32 new
 tokens (batch 4 prompts' completions, one group). ``--ragged`` draws each part's length at random
 up to those sizes instead, as real data has them, so padded batches carry padding and plait's
-padding-free default drops it; ragged GRPO steps hold two groups (two prompts of different lengths,
+padding-free default drops it (plait's batches also hold each prompt once, ``prefix_sharing``;
+``--extra '{"prefix_sharing": false}'`` measures plait without it); ragged GRPO steps hold two groups (two prompts of different lengths,
 8 completions) so its prompts pad too. Writes benchmarks/results/trl_side_by_side.json (``--ragged``:
 trl_side_by_side_ragged.json; another machine's runs: ``--results FILE``) and prints the table. Each
 run records the CPU's bf16 units as plait reads them, which decide plait's precision default.
