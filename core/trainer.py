@@ -74,7 +74,7 @@ class PlaitTrainer(Trainer):
 
     def __init__(
         self,
-        model: str | PreTrainedModel,
+        model: str | os.PathLike | PreTrainedModel,
         args=None,
         data_collator=None,
         train_dataset=None,
@@ -92,6 +92,7 @@ class PlaitTrainer(Trainer):
         **kwargs,
     ):
         self.plugins = plugins or default_plugins()
+        model = os.fspath(model) if isinstance(model, os.PathLike) else model  # a pathlib.Path, as a folder name
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = self.config_class(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-{self.method}")

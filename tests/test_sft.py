@@ -88,3 +88,12 @@ def test_resume_continues_exactly(tmp_path):
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
     meta = (tmp_path / "b" / "checkpoint-6" / "plait_run.json").read_text()
     assert '"method": "sft"' in meta and '"distribution": "plait"' in meta
+
+
+def test_a_pathlib_path_names_the_model_folder(tmp_path):
+    from pathlib import Path
+
+    folder = Path(tiny_model_path())
+    trainer = SFTTrainer(folder, args=config(tmp_path), train_dataset=Dataset.from_list([{"text": "The sky is blue."}] * 2))
+    assert trainer.model.config._name_or_path == str(folder)
+    assert trainer.processing_class.name_or_path == str(folder)
