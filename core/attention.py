@@ -32,6 +32,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from .logprobs import sequence_starts
+
 logger = logging.getLogger("plait")
 
 SEQUENCE_SDPA = "plait_sdpa"
@@ -53,20 +55,19 @@ def packed_segments(position_ids: torch.Tensor | None, length: int) -> list[Segm
     """The sequences of a packed ``[1, length]`` row, or None when the row is one sequence.
 
     A segment begins where a position does not follow the one before it (as transformers reads
-    packing). One that begins at position 0 is a sequence of its own. One that begins at p > 0 right
-    after such a sequence (or after another branch of it) is a branch: it continues that sequence's
-    first p tokens, its prompt, which are computed once for all its branches
-    (``collator.preference_prefix_shared``). A branch must begin at a position no later than the last
-    one before it (else it reads as that segment going on). A segment that begins at p > 0 anywhere
-    else, or past the end of its would-be root, is a sequence of its own."""
+    packing; :func:`plait.logprobs.sequence_starts`). One that begins at position 0 is a sequence of
+    its own. One that begins at p > 0 right after such a sequence (or after another branch of it) is
+    a branch: it continues that sequence's first p tokens, its prompt, which are computed once for
+    all its branches (``collator.preference_prefix_shared``). A branch must begin at a position no
+    later than the last one before it (else it reads as that segment going on). A segment that
+    begins at p > 0 anywhere else, or past the end of its would-be root, is a sequence of its own."""
     if position_ids is None or position_ids.dim() != 2 or position_ids.shape != (1, length):
         return None
-    positions = position_ids[0]
-    breaks = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
-    if not len(breaks):
+    starts = torch.nonzero(sequence_starts(position_ids)[0]).flatten()
+    if len(starts) == 1:
         return None
-    starts = [0, *breaks.tolist()]
-    firsts = positions[starts].tolist()  # one read per forward per layer: cheap beside a layer's work
+    # one read per forward per layer: cheap beside a layer's work
+    starts, firsts = torch.stack([starts, position_ids[0, starts]]).tolist()
     segments: list[Segment] = []
     root = None
     for index, (start, end, first) in enumerate(zip(starts, [*starts[1:], length], firsts)):

@@ -35,7 +35,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .errors import PlaitError
 
-__all__ = ["TokenLogprobs", "compare_distributions", "default_chunk_size", "fp32_projection", "token_logprobs"]
+__all__ = ["TokenLogprobs", "compare_distributions", "default_chunk_size", "fp32_projection", "sequence_starts",
+           "token_logprobs"]
 
 # fp32 bytes of one chunk's logits; a few temporaries of this size live at once.
 LOGITS_BUDGET_BYTES = 128 * 2**20
@@ -118,7 +119,7 @@ def token_logprobs(
             x = x.reshape(-1).masked_fill(~rows, 0)
         x = torch.cat([x.new_zeros(B, 1), x.reshape(B, T)[:, :-1]], dim=1)
         if position_ids is not None and position_ids.dim() == 2:
-            x = x.masked_fill(_sequence_starts(position_ids), 0.0)
+            x = x.masked_fill(sequence_starts(position_ids), 0.0)
         return x
 
     aligned = iter(align(x) for x in out)
@@ -173,7 +174,7 @@ def compare_distributions(
     # Position p predicts token p + 1: the hidden states to project are one column to the left.
     rows = torch.cat([wanted[:, 1:], torch.zeros_like(wanted[:, :1])], dim=1)
     if position_ids is not None and position_ids.dim() == 2:  # packed: a document's first token has no predictor
-        rows &= torch.cat([~_sequence_starts(position_ids)[:, 1:], torch.zeros_like(wanted[:, :1])], dim=1)
+        rows &= torch.cat([~sequence_starts(position_ids)[:, 1:], torch.zeros_like(wanted[:, :1])], dim=1)
 
     def tempered(logits: Tensor) -> Tensor:
         logits = logits.float()
@@ -235,7 +236,7 @@ def _check_arguments(temperature, chunk_size, input_ids: Tensor) -> None:
         raise PlaitError(f"input_ids has shape {tuple(input_ids.shape)}; pass a [batch, seq] tensor of token ids")
 
 
-def _sequence_starts(position_ids: Tensor) -> Tensor:
+def sequence_starts(position_ids: Tensor) -> Tensor:
     """[B, T] bool: where a packed sequence (or a branch, :func:`plait.attention.packed_segments`)
     begins, a position that does not follow the one before it; the token the row's previous
     token would seem to predict there belongs to another sequence."""
