@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import enum
 import functools
+import json
 import logging
 import re
 import sys
@@ -26,6 +27,7 @@ import yaml
 from transformers import TrainingArguments
 
 from . import preflight
+from .checkpointing import checkpointing_kwargs
 from .errors import PlaitError
 from .params import non_negative, positive
 
@@ -155,6 +157,12 @@ def _serialisable(value: Any) -> Any:
     return value
 
 
+def json_value(value: Any) -> Any:
+    """A config value as ``plait_run.json`` records it and a rerun compares it: callables by import path
+    (:func:`_serialisable`), anything else JSON cannot hold by ``str``."""
+    return json.loads(json.dumps(_serialisable(value), default=str))
+
+
 def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[str, Any] = {}, module: str | None = None) -> type:
     """Return the dataclass ``name``: every TrainingArguments field, ``defaults`` overriding its
     defaults, plus the fields of the attrs class ``params`` (validated in ``__post_init__``).
@@ -208,6 +216,9 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
             raise PlaitError(f"{name}: {err}") from err
         preflight.training_numbers(self)
         TrainingArguments.__post_init__(self)
+        if self.activation_checkpointing:  # attention's output kept through the recompute (plait.checkpointing)
+            self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs = checkpointing_kwargs(
+                self.activation_checkpointing_kwargs)
         self.resume_from_checkpoint = preflight.resume_checkpoint(self.resume_from_checkpoint, self.output_dir)
 
     def to_dict(self) -> dict[str, Any]:

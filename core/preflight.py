@@ -348,10 +348,6 @@ def resume_checkpoint(value: Any, output_dir: str | None) -> str | None:
     return value
 
 
-def _jsonable(config: dict) -> dict:
-    return json.loads(json.dumps(config, default=str))
-
-
 def output_dir(args, method: str) -> None:
     """``output_dir`` is a folder that is new, empty of models, or holds this same run; another
     run's model or checkpoints are refused unless the run resumes or ``overwrite_output_dir`` is set."""
@@ -380,9 +376,9 @@ def output_dir(args, method: str) -> None:
         theirs = _metadata(metadata_path) or {}
         if theirs.get("method") != method:
             raise PlaitError(f"output_dir={out!r} holds the model of a {theirs.get('method', 'different')} run; {remedy}")
-        from .config import config_fields
+        from .config import config_fields, json_value
 
-        mine = _jsonable({k: getattr(args, k) for k in config_fields(type(args))})
+        mine = {k: json_value(getattr(args, k)) for k in config_fields(type(args))}
         stored = theirs.get("config") or {}
         changed = [k for k in mine if k not in RESTART_FIELDS and k in stored and stored[k] != mine[k]]
         if changed:

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from . import __version__, preflight
-from .config import config_fields, trains_on_cpu
+from .config import config_fields, json_value, trains_on_cpu
 from .errors import PlaitError
 from .launch import leave_process_group_at_exit, shard_on_cpu
 from .attention import SEQUENCE_SDPA, packs_per_sequence, shares_prefixes
@@ -486,7 +486,7 @@ class PlaitTrainer(Trainer):
                 {"name": info.name, "distribution": info.distribution, "version": info.version}
                 for info in self.plugins.distributions()
             ],
-            "config": {k: _jsonable(getattr(args, k)) for k in config_fields(type(args))},
+            "config": {k: json_value(getattr(args, k)) for k in config_fields(type(args))},
         }
         self.plugins.hook.run_metadata(metadata=metadata)
         return metadata
@@ -672,11 +672,3 @@ def offloading_applies(device: torch.device) -> bool:
 @functools.cache
 def _log_offloading_is_a_no_op() -> None:
     logger.info("plait: activation_offloading=True does nothing on a CPU run: the activations already are in CPU memory")
-
-
-def _jsonable(value: Any) -> Any:
-    try:
-        json.dumps(value)
-        return value
-    except TypeError:
-        return str(value)

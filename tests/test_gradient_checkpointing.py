@@ -6,6 +6,8 @@ either way). Default on for every method, as in TRL."""
 import pytest
 import torch
 from datasets import Dataset
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoConfig
 
 from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
 from plait.plugins.methods.sft import SFTConfig, SFTTrainer
@@ -75,3 +77,68 @@ def test_either_name_turns_it_off_and_the_default_warns_nothing(tmp_path):
     with pytest.warns(FutureWarning, match="gradient_checkpointing"):  # TRL's name still works, as transformers reads it
         off = SFTConfig(output_dir=str(tmp_path), report_to="none", gradient_checkpointing=False)
     assert (off.gradient_checkpointing, off.activation_checkpointing) == (False, False)
+
+
+# -- the recompute keeps attention's output (plait.checkpointing) --------------------------------------------
+def attention_kernel_calls_and_grads(context_fn) -> tuple[int, dict[str, torch.Tensor]]:
+    """One forward and backward of the tiny model with every layer checkpointed under ``context_fn``
+    (None: no checkpointing): how often a fused attention kernel ran, and the gradients."""
+    from transformers import AutoModelForCausalLM
+
+    from plait.checkpointing import ATTENTION_KERNELS
+    from plait.logprobs import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path()), attn_implementation="sdpa").train()
+    if context_fn is not None:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn})
+    ids = torch.randint(5, 900, (3, 24), generator=torch.Generator().manual_seed(0))
+    calls = []
+
+    class CountKernels(TorchDispatchMode):
+        # beneath selective checkpointing's own mode, so only the kernel runs that really happen count
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.extend([func] if func in ATTENTION_KERNELS else [])
+            return func(*args, **(kwargs or {}))
+
+    with CountKernels():
+        token_logprobs(model, ids).logps.sum().backward()
+    calls = len(calls)
+    return calls, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_the_recompute_reuses_attention_and_the_gradients_are_unchanged():
+    from torch.utils.checkpoint import noop_context_fn
+
+    from plait.checkpointing import keep_attention
+
+    layers = AutoConfig.from_pretrained(str(tiny_model_path())).num_hidden_layers
+    plain_calls, plain = attention_kernel_calls_and_grads(None)
+    full_calls, _ = attention_kernel_calls_and_grads(noop_context_fn)
+    kept_calls, kept = attention_kernel_calls_and_grads(keep_attention)
+    assert plain_calls == layers and full_calls == 2 * layers  # a fused kernel ran; plain recompute runs it again
+    assert kept_calls == layers
+    assert max((kept[k] - plain[k]).abs().max().item() for k in plain) < 1e-6
+
+
+def test_default_kwargs_keep_attention_and_the_users_choice_stands(tmp_path):
+    from torch.utils.checkpoint import noop_context_fn
+
+    from plait.checkpointing import keep_attention
+    from plait.errors import PlaitError
+
+    config = lambda **kw: SFTConfig(output_dir=str(tmp_path), report_to="none", **kw)  # noqa: E731
+    default = config()
+    assert default.activation_checkpointing_kwargs == {"use_reentrant": False, "context_fn": keep_attention}
+    assert default.gradient_checkpointing_kwargs is default.activation_checkpointing_kwargs
+    assert default.to_dict()["activation_checkpointing_kwargs"]["context_fn"] == "plait.checkpointing:keep_attention"
+    # the logged form builds the same run (a recipe names functions by import path)
+    again = config(activation_checkpointing_kwargs=default.to_dict()["activation_checkpointing_kwargs"])
+    assert again.activation_checkpointing_kwargs["context_fn"] is keep_attention
+    mine = config(activation_checkpointing_kwargs={"context_fn": "torch.utils.checkpoint:noop_context_fn", "every_n_layers": 2})
+    assert mine.activation_checkpointing_kwargs == {"context_fn": noop_context_fn, "every_n_layers": 2, "use_reentrant": False}
+    assert config(activation_checkpointing_kwargs={"use_reentrant": True}).activation_checkpointing_kwargs == {"use_reentrant": True}
+    assert config(activation_checkpointing=False).activation_checkpointing_kwargs is None
+    with pytest.raises(PlaitError, match="context_fn needs use_reentrant=False"):
+        config(activation_checkpointing_kwargs={"use_reentrant": True, "context_fn": noop_context_fn})
+    with pytest.raises(PlaitError, match="context_fn=3 is not callable"):
+        config(activation_checkpointing_kwargs={"context_fn": 3})
