@@ -1,6 +1,7 @@
 """Padding-free preference batches (DPO, KTO, the reward model): the sequences back to back in one
 row, positions restarting per sequence, no pad tokens; the losses and gradients equal the padded path."""
 
+import collections
 import math
 import random
 
@@ -156,6 +157,11 @@ def test_dpo_loss_and_gradients_equal_the_padded_path(tmp_path, overrides, layou
     assert held >= 8 * 2 - 15 if layout == "prompts shared" else held <= 0  # 8 prompts of 3+ tokens; a rounding tail
     assert padded_loss.item() != pytest.approx(math.log(2), abs=1e-3)  # a real margin, not the zero-margin value
     torch.testing.assert_close(free_loss, padded_loss, atol=1e-5, rtol=0)
+    if "both_input_ids" in free_batch:  # KTO's reference reads a row and its mismatched pair over one prompt
+        counts = collections.Counter(tuple(row["prompt_ids"]) for row in free_trainer.train_dataset)
+        # every row and every mismatched pair whole, less each repeat of a prompt (all but its last token)
+        held = free_batch["both_seq_lengths"].sum().item() - sum((2 * n - 1) * (len(p) - 1) for p, n in counts.items())
+        assert free_batch["both_input_ids"].shape[1] == held
     for name, grad in padded_grads.items():
         torch.testing.assert_close(free_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
     assert any(grad.abs().max() > 1e-3 for grad in padded_grads.values())
@@ -234,17 +240,28 @@ def test_discopop_tau_reaches_the_loss(tmp_path):
     assert DPOConfig(output_dir=str(tmp_path)).discopop_tau == 0.05  # TRL 1.16's default
 
 
-def unpaired_rows(n, seed=0):
-    pairs = variable_pairs(n, seed)
-    return Dataset.from_list([{"prompt": r["prompt"], "completion": r["chosen" if i % 2 else "rejected"], "label": i % 2 == 1}
-                              for i, r in enumerate(pairs)])
+def unpaired_rows(n, seed=0, both_sides=False):
+    """One row per pair (its chosen or its rejected completion), or (``both_sides``) both rows of each pair."""
+    pairs = variable_pairs(n // 2 if both_sides else n, seed)
+    sides = [(r, i % 2 == 1) for i, r in enumerate(pairs)] if not both_sides else [(r, good) for r in pairs for good in (True, False)]
+    return Dataset.from_list([{"prompt": r["prompt"], "completion": r["chosen" if good else "rejected"], "label": good}
+                              for r, good in sides])
 
 
-def kto_trainer(tmp_path, padding_free):
+def kto_trainer(tmp_path, padding_free, both_sides=False, **overrides):
     args = KTOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, report_to="none", save_strategy="no",
-                     max_length=64, padding_free=padding_free)
+                     max_length=64, padding_free=padding_free, **overrides)
     return KTOTrainer(str(tiny_model_path()), ref_model=noisy_tiny_model(scale=0.05), args=args,
-                      train_dataset=unpaired_rows(8))
+                      train_dataset=unpaired_rows(8, both_sides=both_sides))
+
+
+def kto_trainer_unshared(tmp_path, padding_free):
+    return kto_trainer(tmp_path, padding_free, prefix_sharing=False)
+
+
+def kto_trainer_both_sides(tmp_path, padding_free):
+    # rows of one prompt in one batch: each side (rows, mismatched pairs) shares it too
+    return kto_trainer(tmp_path, padding_free, both_sides=True)
 
 
 def reward_trainer_unshared(tmp_path, padding_free):
@@ -275,8 +292,10 @@ def test_reward_pooled_positions_by_hand():
     assert pooled_positions(ids, torch.tensor([4, 3]), pad_id=2, index=index).tolist() == [3, 4]
 
 
-@pytest.mark.parametrize("make", [kto_trainer, reward_trainer, reward_trainer_unshared, reward_trainer_eos_as_pad],
-                         ids=["kto", "reward_model", "reward_model, prompts not shared", "reward_model, EOS as pad"])
+@pytest.mark.parametrize("make", [kto_trainer, kto_trainer_unshared, kto_trainer_both_sides, reward_trainer,
+                                  reward_trainer_unshared, reward_trainer_eos_as_pad],
+                         ids=["kto", "kto, prompts not shared", "kto, both sides of each pair", "reward_model",
+                              "reward_model, prompts not shared", "reward_model, EOS as pad"])
 def test_kto_and_reward_model_losses_and_gradients_equal_the_padded_path(tmp_path, make):
     padded_loss, padded_grads, padded_batch = loss_and_gradients(make(tmp_path, False))
     free_trainer = make(tmp_path, None)
@@ -285,6 +304,11 @@ def test_kto_and_reward_model_losses_and_gradients_equal_the_padded_path(tmp_pat
     assert padded_batch["input_ids"].shape[0] > 1 and free_batch["input_ids"].shape[0] == 1
     assert free_batch["input_ids"].numel() < 0.8 * padded_batch["input_ids"].numel()
     torch.testing.assert_close(free_loss, padded_loss, atol=1e-5, rtol=0)
+    if "both_input_ids" in free_batch:  # KTO's reference reads a row and its mismatched pair over one prompt
+        counts = collections.Counter(tuple(row["prompt_ids"]) for row in free_trainer.train_dataset)
+        # every row and every mismatched pair whole, less each repeat of a prompt (all but its last token)
+        held = free_batch["both_seq_lengths"].sum().item() - sum((2 * n - 1) * (len(p) - 1) for p, n in counts.items())
+        assert free_batch["both_input_ids"].shape[1] == held
     for name, grad in padded_grads.items():
         torch.testing.assert_close(free_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
     assert any(grad.abs().max() > 1e-3 for grad in padded_grads.values())

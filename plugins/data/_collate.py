@@ -111,6 +111,22 @@ def flat_batch(ids: list[list[int]], masks: list[list[int]], pad_id: int, multip
     return {f"{prefix}{key}": value for key, value in batch.items()}
 
 
+def prompt_shared_batch(ids: list[list[int]], masks: list[list[int]], prompt_lengths: Sequence[int], pad_id: int,
+                        multiple: int | None, prefix: str = "") -> dict:
+    """The rows :func:`flat_batch` lays out, each distinct prompt computed once
+    (:func:`plait.attention.prompt_shared_layout`): ``input_ids`` and ``position_ids`` ``[1, N]``,
+    ``seq_lengths`` and ``completion_mask`` as in :func:`flat_batch`, and ``seq_index`` ``[rows, T]``:
+    where each row's tokens have their hidden states (a later row's prompt: in the first row with it)."""
+    from plait.attention import prompt_shared_layout  # (transformers' attention registry: only shared batches need it)
+
+    flat, positions, index = prompt_shared_layout(ids, prompt_lengths, pad_id)
+    extra = padded_length(len(flat), multiple) - len(flat)
+    batch = {"input_ids": row_tensor(flat + [pad_id] * extra), "position_ids": row_tensor(positions + list(range(extra))),
+             "seq_lengths": torch.tensor([len(row) for row in ids], dtype=torch.long),
+             "seq_index": pad(index, 0), "completion_mask": pad(masks, 0)}
+    return {f"{prefix}{key}": value for key, value in batch.items()}
+
+
 def trained_mask(example: dict) -> list[int]:
     """Which tokens of a tokenised language-modelling row are trained on: its ``completion_mask``;
     else its ``labels``, -100 where not trained (a dataset tokenised elsewhere, e.g. for TRL with

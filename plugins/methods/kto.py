@@ -10,6 +10,8 @@ of its own batch. The method packs the log-probs into a :class:`plait.batches.Un
 and hands it to the composed ``kto.*`` losses (``kto.kto`` by default, ``kto.apo_zero_unpaired``).
 The reference is handled as in DPO: a frozen copy, the policy with adapters off under PEFT, a
 frozen adapter copy for a PEFT policy, or log-probs precomputed once; TR-DPO's sync applies.
+A row and its mismatched pair begin with the same prompt: where batches share prompts
+(``prefix_sharing``), the reference scores both in one forward that holds the prompt once.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ class KTOParams(ReferenceSync, LossChoice):
     # plait's (TRL 1.16's KTOConfig has none): each side's sequences back to back in one row, no padding;
     # None: where the models' attention runs per sequence (plait.attention)
     padding_free: bool | None = None
+    # plait's: in a padding-free batch each distinct prompt computed once, and the reference scores a row
+    # and its mismatched pair in one forward over the prompt; None: where the models' attention reads
+    # branches (plait.attention.shares_prefixes)
+    prefix_sharing: bool | None = None
     precompute_ref_log_probs: bool = False
     precompute_ref_batch_size: int | None = None
     model_init_kwargs: dict | None = None
@@ -149,8 +155,7 @@ class KTOTrainer(ReferenceTrainer):
         if p.precompute_ref_log_probs:
             dataset = self.with_reference_logps(
                 dataset, processing_class, args, ("ref_logps", "ref_kl_logps"),
-                lambda batch: [self.reference(self._policy, lambda m: self.completion_logps(m, batch, prefix))
-                               for prefix in ("", "kl_")])
+                lambda batch: list(self.reference_logps(self._policy, batch)))
         return dataset
 
     @staticmethod
@@ -166,8 +171,12 @@ class KTOTrainer(ReferenceTrainer):
             borrowed = [_fit(c, p.max_length - len(prompt), p.truncation_mode) for prompt, c in zip(prompts, borrowed)]
         return dataset.add_column("kl_completion_ids", borrowed)
 
+    def wants_prefix_sharing(self, args) -> bool | None:
+        return args.params.prefix_sharing
+
     def make_collator(self, processing_class, args):
-        factory = self.plugins.collators.get("collator.unpaired_padding_free" if self.padding_free else "collator.unpaired").obj
+        layout = "prefix_shared" if self.prefix_sharing else "padding_free" if self.padding_free else None
+        factory = self.plugins.collators.get(f"collator.unpaired_{layout}" if layout else "collator.unpaired").obj
         return factory(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
 
     # -- one step -----------------------------------------------------------------------------
@@ -176,17 +185,25 @@ class KTOTrainer(ReferenceTrainer):
         out = row_token_logprobs(self.token_logprobs, model, inputs, prefix=prefix, completion_only=True)
         return (out.logps * inputs[f"{prefix}completion_mask"]).sum(-1)
 
-    def kl_logratios(self, model, inputs) -> torch.Tensor:
-        """log π − log π_ref of every mismatched pair in this batch, ``[B]``, without gradient."""
+    def reference_logps(self, model, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's summed log-probs of each row's completion and of its mismatched pair's, ``[B]``
+        each: cached, or from one forward over both (``both_``, each prompt once) where the batch has it."""
+        if "ref_logps" in inputs:
+            return inputs["ref_logps"], inputs["ref_kl_logps"]
+        if "both_input_ids" in inputs:
+            return self.reference(model, lambda m: self.completion_logps(m, inputs, "both_")).chunk(2)
+        return tuple(self.reference(model, lambda m: self.completion_logps(m, inputs, prefix)) for prefix in ("", "kl_"))
+
+    def kl_logratios(self, model, inputs, reference: torch.Tensor | None = None) -> torch.Tensor:
+        """log π − log π_ref of every mismatched pair in this batch, ``[B]``, without gradient
+        (``reference``: the pairs' reference log-probs, when already computed)."""
         with torch.no_grad():
             policy = self.completion_logps(model, inputs, "kl_")
-        if "ref_kl_logps" in inputs:
-            return policy - inputs["ref_kl_logps"]
-        return policy - self.reference(model, lambda m: self.completion_logps(m, inputs, "kl_"))
+        return policy - (self.reference_logps(model, inputs)[1] if reference is None else reference)
 
-    def kl_estimate(self, model, inputs) -> torch.Tensor:
+    def kl_estimate(self, model, inputs, reference: torch.Tensor | None = None) -> torch.Tensor:
         """z = max(0, mean of the mismatched pairs' log-ratios over every process), a 0-dim tensor."""
-        ratios = self.kl_logratios(model, inputs).float()
+        ratios = self.kl_logratios(model, inputs, reference).float()
         # sum and count rather than a mean per process: ranks may hold different batch sizes
         totals = self.accelerator.gather(torch.stack([ratios.sum(), ratios.new_tensor(ratios.numel())])[None])
         total, count = totals.reshape(-1, 2).sum(0)
@@ -194,12 +211,9 @@ class KTOTrainer(ReferenceTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         logps = self.completion_logps(model, inputs)
-        if "ref_logps" in inputs:
-            ref = inputs["ref_logps"]
-        else:
-            ref = self.reference(model, lambda m: self.completion_logps(m, inputs))
+        ref, ref_kl = self.reference_logps(model, inputs)
         desirable = inputs["label"].bool()
-        batch = UnpairedLogps(logps, ref, desirable, self.kl_estimate(model, inputs))
+        batch = UnpairedLogps(logps, ref, desirable, self.kl_estimate(model, inputs, ref_kl))
         loss, parts = self.objective(batch)
 
         rewards, logps = self.args.params.beta * batch.logratios.detach(), logps.detach()

@@ -10,9 +10,7 @@ log-probs, and the per-row tensors (``completion_mask``, and the log-probs once
 import torch
 
 from plait import hookimpl
-from plait.attention import prompt_shared_layout
-
-from .._collate import check_multiple, flat_batch, pad, pad_token_id, padded_batch, padded_length, row_tensor, sequences
+from .._collate import check_multiple, flat_batch, pad_token_id, padded_batch, prompt_shared_batch, sequences
 
 PASSTHROUGH = ("ref_chosen_logps", "ref_rejected_logps", "margin")
 
@@ -78,12 +76,7 @@ def prefix_shared_batch(examples: list[dict], pad_id: int, multiple: int | None)
     a pair is its chosen sequence, then its rejected completion as a branch of it. ``seq_index``
     ``[2B, T]`` says where each token of each row (the padded layout's rows) has its hidden state in the
     flat row: the rejected row's prompt, in its chosen sequence."""
-    rows, masks = _sequences(examples)
-    ids, positions, index = prompt_shared_layout(rows, [len(ex["prompt_ids"]) for ex in examples] * 2, pad_id)
-    extra = padded_length(len(ids), multiple) - len(ids)
-    return {"input_ids": row_tensor(ids + [pad_id] * extra), "position_ids": row_tensor(positions + list(range(extra))),
-            "seq_lengths": torch.tensor([len(row) for row in rows], dtype=torch.long),
-            "seq_index": pad(index, 0), "completion_mask": pad(masks, 0)}
+    return prompt_shared_batch(*_sequences(examples), [len(ex["prompt_ids"]) for ex in examples] * 2, pad_id, multiple)
 
 
 def preference_prefix_shared_collator(processing_class, *, pad_to_multiple_of=None, passthrough=PASSTHROUGH):

@@ -11,24 +11,36 @@ import torch
 
 from plait import hookimpl
 
-from .._collate import check_multiple, flat_batch, pad_token_id, padded_batch, sequences
+from .._collate import check_multiple, flat_batch, pad_token_id, padded_batch, prompt_shared_batch, sequences
 
 PASSTHROUGH = ("ref_logps", "ref_kl_logps")
 
 
-def _unpaired(layout):
+def _rows(layout):
+    """A layout of prompt and completion lists, from one of token rows and completion masks."""
+    return lambda prompts, completions, pad_id, multiple, prefix="": layout(
+        *sequences(prompts, completions), pad_id, multiple, prefix=prefix)
+
+
+def _prompt_shared(prompts, completions, pad_id, multiple, prefix=""):
+    return prompt_shared_batch(*sequences(prompts, completions), [len(p) for p in prompts], pad_id, multiple, prefix)
+
+
+def _unpaired(layout, with_both: bool = False):
     def factory(processing_class, *, pad_to_multiple_of=None, passthrough=PASSTHROUGH):
         pad_id, multiple = pad_token_id(processing_class), check_multiple(pad_to_multiple_of)
 
         def collate(examples):
             prompts = [ex["prompt_ids"] for ex in examples]
             completions = [ex["completion_ids"] for ex in examples]
-            batch = layout(*sequences(prompts, completions), pad_id, multiple)
+            batch = layout(prompts, completions, pad_id, multiple)
             if all(ex.get("kl_completion_ids") is not None for ex in examples):
                 mismatched = [ex["kl_completion_ids"] for ex in examples]
             else:
                 mismatched = completions[-1:] + completions[:-1]
-            batch.update(layout(*sequences(prompts, mismatched), pad_id, multiple, prefix="kl_"))
+            batch.update(layout(prompts, mismatched, pad_id, multiple, prefix="kl_"))
+            if with_both:  # the reference scores both sides: in one forward, each prompt once
+                batch.update(layout(prompts * 2, completions + mismatched, pad_id, multiple, prefix="both_"))
             batch["label"] = torch.tensor([bool(ex["label"]) for ex in examples], dtype=torch.bool)
             for key in passthrough:
                 if all(ex.get(key) is not None for ex in examples):
@@ -40,7 +52,7 @@ def _unpaired(layout):
     return factory
 
 
-unpaired_collator = _unpaired(padded_batch)
+unpaired_collator = _unpaired(_rows(padded_batch))
 unpaired_collator.__doc__ = """Collate rows with ``prompt_ids``, ``completion_ids``, ``label`` (and optionally
 ``kl_completion_ids``).
 
@@ -50,11 +62,19 @@ pairs (with ``B = 1`` and no ``kl_completion_ids`` the pair is the row itself), 
 column of ``passthrough`` that every row has (cached reference log-probs) as a float ``[B]``.
 """
 
-unpaired_padding_free_collator = _unpaired(flat_batch)
+unpaired_padding_free_collator = _unpaired(_rows(flat_batch))
 unpaired_padding_free_collator.__doc__ = """The rows ``collator.unpaired`` takes, each side (the rows and their
 mismatched pairs, ``kl_``) back to back in one row without padding: ``input_ids``, ``position_ids``
 ``[1, N]``, ``seq_lengths`` and ``completion_mask`` as :func:`plait.plugins.data._collate.flat_batch`
 lays them out; ``label`` and passthrough columns as in ``collator.unpaired``.
+"""
+
+unpaired_prefix_shared_collator = _unpaired(_prompt_shared, with_both=True)
+unpaired_prefix_shared_collator.__doc__ = """``collator.unpaired_padding_free`` with each distinct prompt of a side
+computed once (:func:`plait.plugins.data._collate.prompt_shared_batch`, ``seq_index`` saying where each row's
+tokens sit), plus ``both_``: the rows then their mismatched pairs in one row, each row's prompt held once
+for it and its pair, which is what a reference forward that scores both sides reads. Needs attention that
+reads branches (:func:`plait.attention.shares_prefixes`).
 """
 
 
@@ -63,3 +83,5 @@ def register_collators(register):
     register("collator.unpaired", unpaired_collator, doc="KTO batches plus mismatched prompt/completion pairs for the KL estimate.")
     register("collator.unpaired_padding_free", unpaired_padding_free_collator,
              doc="KTO batches and their mismatched pairs, each side back to back in one row, no padding.")
+    register("collator.unpaired_prefix_shared", unpaired_prefix_shared_collator,
+             doc="Padding-free KTO batches, each prompt computed once; both_: rows and mismatched pairs together.")
