@@ -175,8 +175,9 @@ class KTOTrainer(ReferenceTrainer):
         return args.params.prefix_sharing
 
     def make_collator(self, processing_class, args):
-        layout = "prefix_shared" if self.prefix_sharing else "padding_free" if self.padding_free else None
-        factory = self.plugins.collators.get(f"collator.unpaired_{layout}" if layout else "collator.unpaired").obj
+        name = ("collator.unpaired_prefix_shared" if self.prefix_sharing
+                else "collator.unpaired_padding_free" if self.padding_free else "collator.unpaired")
+        factory = self.plugins.collators.get(name).obj
         return factory(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
 
     # -- one step -----------------------------------------------------------------------------
