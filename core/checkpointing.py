@@ -6,7 +6,7 @@ output costs about 2·hidden FLOPs per number it holds, the attention kernel's a
 (its output is one vector per token, but every token attended over its whole context), and on a
 CPU the attention kernels run at a third of the matmuls' rate. On SmolLM2 at 512 tokens (SFT,
 batch 4, fp32, 2 cores) attention's forward was 1.5 s of a 22 s step, half of it the recompute,
-for 141 MiB of outputs over all 30 layers (TRL's logits for the same batch take 384 MiB).
+for 135 MiB of outputs over all 30 layers (TRL's logits for the same batch take 384 MiB).
 
 So plait's default checkpointing is selective (PyTorch's selective activation checkpointing,
 ``torch.utils.checkpoint.create_selective_checkpoint_contexts``): the attention kernels' outputs
