@@ -26,7 +26,7 @@ import torch
 import yaml
 from transformers import TrainingArguments
 
-from . import preflight
+from . import preflight, versions
 from .checkpointing import checkpointing_kwargs
 from .errors import PlaitError
 from .params import non_negative, positive
@@ -189,6 +189,7 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
     # What a NaN/inf loss or gradient norm does: stop the run naming the part ("error"), or drop
     # that optimizer step's update and go on ("skip"; the weights stay finite). See PlaitTrainer.
     fields.append(("on_nonfinite_loss", str, dataclasses.field(default="error")))
+    fields += [(n, annotation, dataclasses.field(default=d)) for n, annotation, d in versions.CONFIG_FIELDS]
     own = {f[0] for f in fields}
     inherited = config_fields(TrainingArguments)
     for field_name, value in {"bf16": None, "fp16": None, "dataloader_pin_memory": None, **defaults}.items():
@@ -200,11 +201,9 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
 
     def __post_init__(self) -> None:
         _hardware_defaults(self)
-        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
-            # On, as in TRL, under transformers 5's name (TRL's default of the old one warns): on SmolLM2 at
-            # 512 tokens it costs each method at most 1.21x the step time for 0.53-0.66x the peak memory
-            # (benchmarks/gradient_checkpointing.py). Either name set by the user wins, as transformers reads them.
-            self.activation_checkpointing = True
+        # On unless the user says otherwise, as in TRL: on SmolLM2 at 512 tokens it costs each method at most
+        # 1.21x the step time for 0.53-0.66x the peak memory (benchmarks/gradient_checkpointing.py).
+        versions.settle_checkpointing(self, default=True)
         if self.on_nonfinite_loss not in NONFINITE_POLICIES:
             raise PlaitError(f"{name}: on_nonfinite_loss={self.on_nonfinite_loss!r} is not valid; use 'error' (stop "
                              "the run) or 'skip' (skip that optimizer step)")
@@ -216,9 +215,10 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
             raise PlaitError(f"{name}: {err}") from err
         preflight.training_numbers(self)
         TrainingArguments.__post_init__(self)
-        if self.activation_checkpointing:  # attention's output kept through the recompute (plait.checkpointing)
-            self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs = checkpointing_kwargs(
-                self.activation_checkpointing_kwargs)
+        # read through the old name: TrainingArguments parsed a JSON string there on every version
+        kwargs = self.gradient_checkpointing_kwargs
+        # with checkpointing on, attention's output is kept through the recompute (plait.checkpointing)
+        versions.set_checkpointing_kwargs(self, checkpointing_kwargs(kwargs) if self.activation_checkpointing else kwargs)
         self.resume_from_checkpoint = preflight.resume_checkpoint(self.resume_from_checkpoint, self.output_dir)
 
     def to_dict(self) -> dict[str, Any]:

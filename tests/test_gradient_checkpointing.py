@@ -67,16 +67,24 @@ def test_default_is_on_for_every_method(tmp_path):
         assert args.gradient_checkpointing is True, name
 
 
-def test_either_name_turns_it_off_and_the_default_warns_nothing(tmp_path):
+def test_either_name_turns_it_off_on_every_transformers_version_and_warns_nothing(tmp_path):
+    """transformers 5.19 knows only ``gradient_checkpointing``, 5.20+ calls it ``activation_checkpointing``
+    (the old name deprecated): plait's configs take both names on both (plait.versions), silently."""
     import warnings
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # TRL's default (the deprecated name set True) raises transformers' FutureWarning
-        assert SFTConfig(output_dir=str(tmp_path), report_to="none").activation_checkpointing is True
-    assert SFTConfig(output_dir=str(tmp_path), report_to="none", activation_checkpointing=False).gradient_checkpointing is False
-    with pytest.warns(FutureWarning, match="gradient_checkpointing"):  # TRL's name still works, as transformers reads it
-        off = SFTConfig(output_dir=str(tmp_path), report_to="none", gradient_checkpointing=False)
-    assert (off.gradient_checkpointing, off.activation_checkpointing) == (False, False)
+        warnings.simplefilter("error")
+        on = SFTConfig(output_dir=str(tmp_path), report_to="none")
+        off_new = SFTConfig(output_dir=str(tmp_path), report_to="none", activation_checkpointing=False)
+        off_old = SFTConfig(output_dir=str(tmp_path), report_to="none", gradient_checkpointing=False)
+        both = SFTConfig(output_dir=str(tmp_path), report_to="none", gradient_checkpointing=False,
+                         activation_checkpointing=True)  # the new name wins, as transformers decides
+    assert (on.gradient_checkpointing, on.activation_checkpointing) == (True, True)
+    assert (off_new.gradient_checkpointing, off_new.activation_checkpointing) == (False, False)
+    assert (off_old.gradient_checkpointing, off_old.activation_checkpointing) == (False, False)
+    assert (both.gradient_checkpointing, both.activation_checkpointing) == (True, True)
+    assert on.gradient_checkpointing_kwargs is on.activation_checkpointing_kwargs  # the recompute's context_fn in both
+    assert "context_fn" in on.gradient_checkpointing_kwargs
 
 
 # -- the recompute keeps attention's output (plait.checkpointing) --------------------------------------------
