@@ -1,4 +1,5 @@
-"""Exact resume for the methods that learn from their own samples (GRPO, RLOO, PPO, distillation).
+"""Exact resume for every method: those that learn from their own samples (GRPO, RLOO, PPO,
+distillation) and the offline ones (SFT, DPO, KTO, reward model).
 
 Each test trains N steps straight through, and again with the run cut after a checkpoint and
 resumed from it in a fresh trainer: the final weights must be bit-identical (max |Δ| = 0.0) and
@@ -197,17 +198,18 @@ def test_ppo_resumes_bit_identically_with_the_value_model_and_the_kl_coefficient
 PAIRS = [{"prompt": w, "chosen": " yes, kindly.", "rejected": " no way, never ever."} for w in WORDS]
 UNPAIRED = [{"prompt": w, "completion": c, "label": ok} for w in WORDS
             for c, ok in ((" yes, kindly.", True), (" no way, never ever.", False))]
-OFFLINE = {  # method -> (extra config fields, training rows)
-    "dpo": ({"beta": 0.1}, PAIRS),
-    "kto": ({"beta": 0.1}, UNPAIRED),
-    "reward_model": ({}, PAIRS),
+OFFLINE = {  # method -> (extra config fields, training rows, running counters that must carry on)
+    "dpo": ({"beta": 0.1}, PAIRS, ()),
+    "kto": ({"beta": 0.1}, UNPAIRED, ()),
+    "reward_model": ({}, PAIRS, ()),
+    "sft": ({}, [{"prompt": r["prompt"], "completion": r["completion"]} for r in UNPAIRED], ("num_tokens",)),
 }
 
 
 @pytest.mark.parametrize("method", sorted(OFFLINE))
 def test_offline_methods_resume_bit_identically(tmp_path, method):
     # shuffled data over two epochs with dropout-free tiny models: the cut at step 3 is mid-epoch
-    extra, rows = OFFLINE[method]
+    extra, rows, counters = OFFLINE[method]
     record = plait.default_plugins().methods.get(method, family="method").obj
 
     def build(output):
@@ -215,7 +217,7 @@ def test_offline_methods_resume_bit_identically(tmp_path, method):
         return record.trainer(str(tiny_model_path()), args=args, train_dataset=Dataset.from_list(rows))
 
     straight, resumed = straight_and_resumed(tmp_path, build, stop=3)
-    assert_same_run(straight, resumed, method, ())
+    assert_same_run(straight, resumed, method, counters)
 
 
 def test_distill_resumes_bit_identically(tmp_path):

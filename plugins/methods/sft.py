@@ -163,6 +163,14 @@ class SFTTrainer(PlaitTrainer):
         # Normalise by target tokens across accumulation steps and processes (transformers counts them).
         self.model_accepts_loss_kwargs = True
 
+    def resume_state(self) -> dict:
+        # the logged num_tokens counts every trained token of the run, so a resumed run carries it on
+        return {**super().resume_state(), "num_tokens": self.tokens_seen}
+
+    def load_resume_state(self, state: dict) -> None:
+        super().load_resume_state(state)
+        self.tokens_seen = state.get("num_tokens", 0)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs["labels"]
         model_inputs = {**{k: inputs[k] for k in ("attention_mask", "position_ids") if k in inputs},
