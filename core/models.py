@@ -47,8 +47,14 @@ def pretrained_kwargs() -> dict[str, Any]:
 
 
 def load_model(model: str | PreTrainedModel, init_kwargs: dict | None = None, auto_class=AutoModelForCausalLM,
-               field: str = "model") -> PreTrainedModel:
-    """A ready model from an id/path (with ``model_init_kwargs``) or a model instance as given."""
+               field: str = "model", default_dtype: str = "float32") -> PreTrainedModel:
+    """A ready model from an id/path (with ``model_init_kwargs``) or a model instance as given.
+
+    Weights load as ``default_dtype`` unless ``init_kwargs`` name a ``dtype`` ("auto": as stored). Models
+    that train load as float32 master weights, as TRL's do: most hub checkpoints are stored in bfloat16,
+    and AdamW's updates at fine-tuning learning rates fall below bf16's resolution, so bf16 weights would
+    silently not change (mixed precision is ``bf16=True``: autocast over float32 weights). Models that
+    only score (a teacher, a judge) pass ``"auto"``."""
     if not isinstance(model, str):
         if init_kwargs:
             raise PlaitError(f"model_init_kwargs={init_kwargs!r} only apply when {field} is a path or id; "
@@ -56,9 +62,14 @@ def load_model(model: str | PreTrainedModel, init_kwargs: dict | None = None, au
         return model
     preflight.model_source(model, field, init_kwargs)
     kwargs = {**pretrained_kwargs(), **(init_kwargs or {})}  # model_init_kwargs may say trust_remote_code itself
-    dtype = kwargs.get("dtype", kwargs.pop("torch_dtype", None))
+    legacy = kwargs.pop("torch_dtype", None)  # transformers 4's name, which TRL-era scripts still pass
+    dtype = kwargs.get("dtype") or legacy or default_dtype
     if isinstance(dtype, str) and dtype != "auto":
-        kwargs["dtype"] = getattr(torch, dtype)
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise PlaitError(f"{field}: dtype={dtype!r} is not a torch dtype; use 'float32' (the default for a model that "
+                             "trains), 'bfloat16', 'float16' or 'auto' (as the checkpoint stores it)")
+        dtype = getattr(torch, dtype)
+    kwargs["dtype"] = dtype
     if auto_class is AutoModelForCausalLM and vision.vision_language_source(model):
         from transformers import AutoModelForImageTextToText as auto_class  # a VLM: its causal LM with a vision tower
     try:
@@ -66,6 +77,23 @@ def load_model(model: str | PreTrainedModel, init_kwargs: dict | None = None, au
     except OSError as err:
         raise PlaitError(f"{field}={model!r} could not be loaded ({str(err).splitlines()[0]}); "
                          "pass a local folder with config.json and weights") from err
+
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def warn_if_half_precision_weights(model: torch.nn.Module) -> None:
+    """Say loudly when weights that train are bf16/fp16: an optimizer's update of a bf16 weight w is lost
+    whenever it is below half of bf16's spacing near w (2^-9 |w| to 2^-8 |w|), most of them at lr 2e-5:
+    the run would finish having changed little or nothing. TRL trains such checkpoints as float32 too; this is for a model
+    given already loaded in half precision, or ``dtype`` asked for explicitly."""
+    half = [(name, p.dtype) for name, p in model.named_parameters() if p.requires_grad and p.dtype in HALF_DTYPES]
+    if half:
+        trainable = sum(p.requires_grad for p in model.parameters())
+        logger.warning("plait: %d of %d trainable weight tensors are %s (e.g. %s): the optimizer's updates at "
+                       "fine-tuning learning rates fall below that precision and are lost. Train float32 weights "
+                       "(drop dtype from model_init_kwargs, or pass model.float()) with bf16=True for mixed precision.",
+                       len(half), trainable, str(half[0][1]).removeprefix("torch."), half[0][0])
 
 
 def load_tokenizer(model: str | PreTrainedModel, processing_class=None, field: str = "model", *,

@@ -37,7 +37,7 @@ from .manager import Plugins, default_plugins
 from .memory import TORCH_SWITCH, large_buffers_aligned
 from .model_card import CardDetails, write_model_card
 from .models import (Reference, agree_on_tokens, disable_dropout, load_model, load_tokenizer,
-                     refuse_adapters_on_adapters, remote_code, wrap_peft)
+                     refuse_adapters_on_adapters, remote_code, warn_if_half_precision_weights, wrap_peft)
 from .objective import Objective
 
 logger = logging.getLogger("plait")
@@ -126,6 +126,7 @@ class PlaitTrainer(Trainer):
             with torch.random.fork_rng(devices=[]):  # new adapters start from args.seed on any launcher
                 torch.manual_seed(args.seed)
                 model = wrap_peft(model, peft_config, args.gradient_checkpointing)
+            warn_if_half_precision_weights(model)
             if args.disable_dropout:
                 for module in (model, *self.held_models()):
                     disable_dropout(module)

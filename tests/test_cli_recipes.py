@@ -8,6 +8,10 @@ later is covered too, and fails here until it has ``examples/recipes/<method>_ti
 The runs share one working directory, set up as the recipe headers say (``python
 examples/tiny_model.py`` puts the model in ``runs/tiny-model``); a recipe that reads another tiny
 recipe's output (distill's teacher is ``runs/sft-tiny``) gets that recipe run first.
+
+The model there is then stored in bfloat16, as most hub checkpoints are, and every run uses a fine-tuning
+learning rate (2e-5): trained as bf16 weights, most updates would fall below bf16's resolution and
+tensors would come out unchanged; plait trains float32 master weights, so every trained tensor moves.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from transformers import AutoModelForCausalLM
+
 from plait.cli import main
 from plait.manager import default_plugins
 
@@ -35,6 +41,7 @@ RECIPES = ROOT / "examples" / "recipes"
 PLAIT = Path(sys.executable).parent / "plait"  # the console script installed beside this python
 METHODS = sorted(component.name.split(".", 1)[1] for component in default_plugins().methods)
 STEPS = 2
+LEARNING_RATE = "2e-5"  # a fine-tuning rate, at which updates to bf16 weights are lost
 
 
 def tiny_recipe(method: str) -> Path:
@@ -88,7 +95,10 @@ def workdir(tmp_path_factory) -> Path:
     made = subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_model.py")], cwd=workdir,
                           capture_output=True, text=True, timeout=600)
     assert made.returncode == 0, made.stderr
-    assert (workdir / "runs" / "tiny-model" / "config.json").is_file()
+    model_dir = workdir / "runs" / "tiny-model"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(model_dir)  # stored as most hub checkpoints are
+    assert json.loads((model_dir / "config.json").read_text())["dtype"] == "bfloat16"
     return workdir
 
 
@@ -110,6 +120,7 @@ def trained(workdir):
         status, out, err = plait_check(workdir, method, recipe)
         assert (status, out) == (0, f"plait: {recipe} is a valid {method} recipe\n"), err
         run = plait(workdir, method, "--config", str(recipe), "--max_steps", str(STEPS), "--logging_steps", "1",
+                    "--learning_rate", LEARNING_RATE,
                     "--save_strategy", "steps", "--save_steps", str(STEPS), "--disable_tqdm", "true")
         assert run.returncode == 0, f"plait {method} exited {run.returncode}:\n{run.stderr[-4000:]}"
         done[recipe] = workdir / output_dir(recipe)
@@ -119,7 +130,7 @@ def trained(workdir):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_tiny_recipe_checks_and_trains_through_the_plait_command(method, trained):
+def test_tiny_recipe_checks_and_trains_through_the_plait_command(method, trained, workdir):
     out = trained(method)
     metadata = json.loads((out / "plait_run.json").read_text())
     assert metadata["method"] == method and metadata["config"]["max_steps"] == STEPS
@@ -132,3 +143,11 @@ def test_tiny_recipe_checks_and_trains_through_the_plait_command(method, trained
     state = json.loads((out / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
     losses = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
     assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses), state["log_history"]
+
+    initial = load_file(workdir / "runs" / "tiny-model" / "model.safetensors")
+    if weights[0].name == "model.safetensors":  # (an adapter run leaves the base as loaded, by design)
+        trained_weights = load_file(weights[0])
+        assert all(t.dtype == torch.float32 for t in trained_weights.values())  # float32 master weights, saved as such
+        same = [name for name, t in trained_weights.items()
+                if name in initial and torch.equal(t, initial[name].float())]
+        assert not same, f"{method}: trained from a bf16 checkpoint at lr {LEARNING_RATE}, these never changed: {same}"

@@ -98,3 +98,62 @@ def test_sft_and_dpo_learn_under_each_precision(tmp_path, choice):
     assert sft_losses[-1] < 0.85 * sft_losses[0], sft_losses
     first, last = dpo.state.log_history[0], dpo.state.log_history[-2]
     assert last["rewards/margins"] > first["rewards/margins"] + 0.05, (first, last)
+
+
+# -- checkpoints stored in half precision (most hub models) train as float32 master weights -----------
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory) -> Path:
+    """The tiny model as most hub checkpoints are stored: ``"dtype": "bfloat16"`` in config.json."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("bf16-checkpoint")
+    shutil.copytree(tiny_model_path(), folder, dirs_exist_ok=True)
+    AutoModelForCausalLM.from_pretrained(folder).to(torch.bfloat16).save_pretrained(folder)
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    return folder
+
+
+def test_a_bf16_checkpoint_loads_as_float32_unless_a_dtype_is_asked_for(bf16_checkpoint):
+    from plait.errors import PlaitError
+    from plait.models import load_model
+
+    def dtypes(**init) -> set[torch.dtype]:
+        return {p.dtype for p in load_model(str(bf16_checkpoint), init or None).parameters()}
+
+    assert dtypes() == {torch.float32}  # TRL's default: float32 master weights
+    assert dtypes(dtype="auto") == {torch.bfloat16}  # as stored
+    assert dtypes(dtype="bfloat16") == dtypes(torch_dtype="bfloat16") == {torch.bfloat16}  # TRL-era scripts' name too
+    assert {p.dtype for p in load_model(str(bf16_checkpoint), default_dtype="auto").parameters()} == {torch.bfloat16}
+    with pytest.raises(PlaitError, match=r"dtype='bf16' is not a torch dtype; use 'float32'"):
+        dtypes(dtype="bf16")
+
+
+def test_sft_on_a_bf16_checkpoint_changes_every_weight_and_pure_bf16_says_why_it_would_not(
+        tmp_path, bf16_checkpoint, caplog):
+    """At a fine-tuning learning rate, AdamW's updates fall below bf16's resolution: trained as stored,
+    tensors come out unchanged (and plait warns); trained as plait loads it, every one moves."""
+    from safetensors.torch import load_file
+
+    rows = Dataset.from_list([{"prompt": f"Say {w}.", "completion": f" {w}"} for w in WORDS])
+    initial = load_file(bf16_checkpoint / "model.safetensors")
+
+    def unchanged_after_training(name: str, **init) -> list[str]:
+        args = SFTConfig(output_dir=str(tmp_path / name), max_steps=3, learning_rate=2e-5, per_device_train_batch_size=4,
+                         bf16=False, model_init_kwargs=init or None, **COMMON)
+        trainer = SFTTrainer(str(bf16_checkpoint), args=args, train_dataset=rows)
+        trainer.train()
+        trained = {n: p.detach() for n, p in trainer.model.named_parameters()}
+        return [n for n, p in trained.items() if torch.equal(p.float(), initial[n].float())]
+
+    with caplog.at_level(logging.WARNING, logger="plait"):
+        assert unchanged_after_training("default") == []
+    assert "trainable weight tensors are" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="plait"):
+        lost = unchanged_after_training("pure-bf16", dtype="bfloat16")
+    assert lost, "pure bf16 weights at lr 2e-5 should lose some updates (what this test guards against)"
+    assert f"{len(initial)} of {len(initial)} trainable weight tensors are bfloat16" in caplog.text

@@ -87,7 +87,7 @@ class PairwiseJudge:
 
         p = self.params
         source = os.path.expanduser(p.model) if isinstance(p.model, str) else p.model
-        model = load_model(source, field="judge.model")
+        model = load_model(source, field="judge.model", default_dtype="auto")  # scores only
         self._tokenizer = load_tokenizer(source, p.processing_class, field="judge.model")
         device = p.device or ("cuda" if torch.cuda.is_available() else None)
         if device is not None:

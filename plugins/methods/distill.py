@@ -109,7 +109,8 @@ class DistillTrainer(OnPolicyTrainer):
         model = super().before_peft(model, args, **kwargs)
         p = args.params
         spec = self._teacher_spec if self._teacher_spec is not None else p.teacher_model_name_or_path
-        teacher = load_model(spec, self._teacher_kwargs(p), field="teacher_model")
+        # no gradients: as stored, as TRL's GKD loads it
+        teacher = load_model(spec, self._teacher_kwargs(p), field="teacher_model", default_dtype="auto")
         mine, theirs = model.config.get_text_config().vocab_size, teacher.config.get_text_config().vocab_size
         if mine != theirs:
             raise PlaitError(f"teacher_model has vocab_size {theirs} but the student has {mine}; distillation compares "
