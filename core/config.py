@@ -30,6 +30,7 @@ from . import preflight, versions
 from .checkpointing import checkpointing_kwargs
 from .errors import PlaitError
 from .params import non_negative, positive
+from .redact import masked
 
 logger = logging.getLogger("plait")
 
@@ -222,10 +223,21 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
         self.resume_from_checkpoint = preflight.resume_checkpoint(self.resume_from_checkpoint, self.output_dir)
 
     def to_dict(self) -> dict[str, Any]:
-        return {key: _serialisable(value) for key, value in TrainingArguments.to_dict(self).items()}
+        # what report_to, to_json_string and to_sanitized_dict log: secrets as markers, nested ones too
+        return masked({key: _serialisable(value) for key, value in TrainingArguments.to_dict(self).items()})
+
+    def __repr__(self) -> str:
+        shown = masked({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.repr})
+        return f"{type(self).__name__}({', '.join(f'{key}={value!r}' for key, value in shown.items())})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # training_args.bin (and any pickle or copy) holds no secret; a resumed run reads its tokens from its config
+        return masked(self.__dict__)
 
     cls = dataclasses.make_dataclass(
-        name, fields, bases=(TrainingArguments,), namespace={"__post_init__": __post_init__, "to_dict": to_dict}
+        name, fields, bases=(TrainingArguments,),
+        namespace={"__post_init__": __post_init__, "to_dict": to_dict, "__repr__": __repr__, "__str__": __repr__,
+                   "__getstate__": __getstate__}
     )
     cls.__doc__ = doc or params.__doc__
     # so checkpoints (training_args.bin) unpickle: point at the defining module

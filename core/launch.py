@@ -31,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from .errors import PlaitError
+from .redact import masked_argv
 
 PRESETS = Path(__file__).with_name("accelerate_configs")
 CPU_PRESET, GPU_PRESET = "cpu_ddp", "multi_gpu"
@@ -173,5 +174,5 @@ def launch_command(argv: list[str], num_processes: int | None = None, accelerate
 def launch(argv: list[str], num_processes: int | None = None, accelerate_config: str | None = None) -> int:
     """Run ``plait <argv>`` on ``num_processes`` processes and wait; returns the exit status."""
     command, env = launch_command(argv, num_processes, accelerate_config)
-    print(f"plait: {shlex.join(command)}", file=sys.stderr)
+    print(f"plait: {shlex.join(masked_argv(command))}", file=sys.stderr)  # echoed, so secrets as their markers
     return subprocess.run(command, env=env).returncode

@@ -7,6 +7,8 @@ from ``create_model_card``/``push_to_hub``. Besides the method, its paper and th
 records what a plait run needs in order to be reproduced: the losses with their weights and
 parameters, the method's settings that differ from its defaults, and the plait version with every
 installed plugin distribution (a run's behaviour depends on which plugins were installed).
+Secrets among them (``vllm_server_token``, ``model_init_kwargs.token`` ...) show as their
+markers (:mod:`plait.redact`): the card is what ``push_to_hub`` publishes.
 
 The file is written atomically (a temporary file renamed into place), so an interrupted or
 failed write leaves the previous card, or none, never half of one.
@@ -27,6 +29,7 @@ import attrs
 import yaml
 
 from .errors import PlaitError
+from .redact import masked
 
 CARD_FILE = "README.md"
 FRAMEWORKS = ("transformers", "torch", "datasets", "tokenizers", "accelerate", "peft")
@@ -172,7 +175,8 @@ def card_facts(trainer, details: CardDetails) -> dict[str, Any]:
     last_loss = next((entry.get("loss", entry.get("train_loss")) for entry in reversed(trainer.state.log_history)
                       if "loss" in entry or "train_loss" in entry), None)
     is_peft = hasattr(policy, "peft_config")
-    return {
+    # the card is published (push_to_hub): a secret among the settings or a loss's parameters shows as its marker
+    return masked({
         "model_name": details.model_name or os.path.basename(os.path.abspath(args.output_dir)),
         "repo": trainer.hub_model_id or args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir)),
         "base_model": name_or_path,
@@ -199,7 +203,7 @@ def card_facts(trainer, details: CardDetails) -> dict[str, Any]:
                        **{name: version for name in FRAMEWORKS if (version := _version(name)) is not None}},
         "plugin_distributions": [{"distribution": dist, "version": ver, "plugins": n}
                                  for (dist, ver), n in sorted(plugin_counts.items())],
-    }
+    })
 
 
 def render_card(facts: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .errors import PlaitError
+from .redact import is_secret_name, masked
 
 RUN_METADATA = "plait_run.json"  # written by PlaitTrainer next to every saved model and checkpoint
 TRAINER_STATE = "trainer_state.json"  # transformers writes it last into a checkpoint
@@ -378,9 +379,12 @@ def output_dir(args, method: str) -> None:
             raise PlaitError(f"output_dir={out!r} holds the model of a {theirs.get('method', 'different')} run; {remedy}")
         from .config import config_fields, json_value
 
-        mine = {k: json_value(getattr(args, k)) for k in config_fields(type(args))}
-        stored = theirs.get("config") or {}
-        changed = [k for k in mine if k not in RESTART_FIELDS and k in stored and stored[k] != mine[k]]
+        # masked on both sides (a file older than the masking holds clear values), so the message shows
+        # no secret; a credential added, rotated or dropped between the two runs leaves them the same run
+        mine = masked({k: json_value(getattr(args, k)) for k in config_fields(type(args))})
+        stored = masked(theirs.get("config") or {})
+        changed = [k for k in mine if k not in RESTART_FIELDS and not is_secret_name(k) and k in stored
+                   and stored[k] != mine[k]]
         if changed:
             k = changed[0]
             raise PlaitError(f"output_dir={out!r} holds the model of another {method} run ({k}={stored[k]!r} there, "
