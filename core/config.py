@@ -286,7 +286,8 @@ def _type_name(annotation: Any) -> str:
 
 def check_value(path: str, annotation: Any, value: Any) -> None:
     if not _accepts(annotation, value):
-        raise PlaitError(f"{path}: expected {_type_name(annotation)}, got {value!r} ({type(value).__name__}); fix the value's type")
+        shown = masked(value, path.rsplit(".", 1)[-1].lstrip("-"))  # a misplaced token is still a token
+        raise PlaitError(f"{path}: expected {_type_name(annotation)}, got {shown!r} ({type(value).__name__}); fix the value's type")
 
 
 def unknown_key_error(path: str, key: str, known) -> PlaitError:

@@ -308,5 +308,5 @@ def set_env(env: Any, source: str) -> None:
     if env is None:
         return
     if not isinstance(env, dict):
-        raise PlaitError(f"{source}: env must be a mapping of VARIABLE: value, got {env!r}")
+        raise PlaitError(f"{source}: env must be a mapping of VARIABLE: value, got a {type(env).__name__}")
     os.environ.update({str(key): str(value) for key, value in env.items()})

@@ -36,6 +36,7 @@ from .vision import model_inputs as model_inputs_of
 from .manager import Plugins, default_plugins
 from .memory import TORCH_SWITCH, large_buffers_aligned
 from .model_card import CardDetails, write_model_card
+from .redact import masked
 from .models import (Reference, agree_on_tokens, disable_dropout, load_model, load_tokenizer,
                      refuse_adapters_on_adapters, remote_code, warn_if_half_precision_weights, wrap_peft)
 from .objective import Objective
@@ -490,7 +491,7 @@ class PlaitTrainer(Trainer):
             "config": {k: json_value(getattr(args, k)) for k in config_fields(type(args))},
         }
         self.plugins.hook.run_metadata(metadata=metadata)
-        return metadata
+        return masked(metadata)  # tokens and keys by name (plait.redact): the file sits in every checkpoint
 
     def _save_checkpoint(self, model, trial) -> None:
         """Write the checkpoint into a staging folder, then rename it into place: a crash mid-save
