@@ -10,25 +10,38 @@
   style of Qwen and Hermes templates), chosen by ``tool_call_parser``.
 * :func:`call_tool` runs one call with a per-call timeout; a tool that raises, is unknown, gets bad
   arguments or overruns returns its error text (the model reads it) and is counted as a failure,
-  never ending the run. :func:`run_sandboxed` runs code in a subprocess with time and memory limits
-  (the built-in ``run_python`` tool and code-executing environments use it).
+  never ending the run. :func:`run_sandboxed` runs code in a boxed subprocess: no inherited
+  environment, a scratch folder, resource limits, capped output, and no network where the machine
+  allows it (the built-in ``run_python`` tool and code-executing environments use it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 import json
+import logging
+import math
+import os
 import re
+import selectors
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import time
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import attrs
 
 from .errors import PlaitError
+
+logger = logging.getLogger("plait")
 
 __all__ = ["Tool", "ToolCall", "call_tool", "parse_hermes", "resolve_tools", "run_sandboxed"]
 
@@ -208,25 +221,164 @@ def call_tool(tools: Mapping[str, Tool], call: ToolCall, timeout: float | None) 
     return (result if isinstance(result, str) else json.dumps(result, default=str)), False
 
 
-def run_sandboxed(code: str, *, timeout: float = 5.0, memory_mb: int = 256, stdin: str = "") -> tuple[str, bool]:
-    """Run Python ``code`` in a fresh isolated interpreter (``python -I``) under a CPU-time and an
-    address-space limit: ``(stdout, or the error text; failed)``. Nothing runs in the trainer's process."""
-    def limits() -> None:  # in the child, before it executes anything
-        import resource
+# The sandbox's limits beyond the caller's time and memory: how much it may write to a file, how many
+# files it may hold open, how many processes it may run (a fork bomb stops there), how much of its
+# output comes back.
+SANDBOX_FILE_MB, SANDBOX_OPEN_FILES, SANDBOX_PROCESSES, SANDBOX_OUTPUT_BYTES = 16, 64, 64, 64 * 1024
+_NOBODY = 65534
+_CHILD = str(Path(__file__).with_name("sandbox_child.py"))
 
-        seconds = max(1, int(timeout) + 1)
-        resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds))
-        size = memory_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (size, size))
 
-    try:
-        done = subprocess.run([sys.executable, "-I", "-c", code], input=stdin, capture_output=True, text=True,
-                              timeout=timeout, preexec_fn=limits if sys.platform != "win32" else None)
-    except subprocess.TimeoutExpired:
+@functools.cache
+def _as_nobody() -> list[str]:
+    """Root is never held to RLIMIT_NPROC (the kernel exempts uid 0) and may write anything: as root the
+    code runs as ``nobody`` (util-linux ``setpriv``, probed once). Where ``nobody`` cannot reach the
+    interpreter (one installed under /root), it keeps the right to read and search every file
+    (CAP_DAC_READ_SEARCH), which is logged: files only root may read are then within its reach."""
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0:
+        return []
+    drop = [setpriv, f"--reuid={_NOBODY}", f"--regid={_NOBODY}", "--clear-groups"]
+    keep = "+dac_read_search"
+    reading = [*drop, f"--inh-caps=-all,{keep}", f"--ambient-caps=-all,{keep}", f"--bounding-set=-all,{keep}"]
+    # the same interpreter and standard library as the trainer's, not a system one found instead
+    same_python = f"import sys; assert (sys.version, sys.base_prefix) == {(sys.version, sys.base_prefix)!r}"
+    for command in ([*drop, "--inh-caps=-all", "--bounding-set=-all"], reading) if setpriv else ():
+        if subprocess.run([*command, sys.executable, "-I", "-c", same_python], capture_output=True, cwd="/",
+                          env={}).returncode == 0:
+            if command is reading:
+                logger.warning(f"run_sandboxed: nobody cannot reach {sys.executable}, so sandboxed code runs as "
+                               "nobody but may read any file root may (but the trainer's home, where it is hidden)")
+            return command
+    logger.warning("run_sandboxed: the trainer runs as root and cannot become nobody (util-linux setpriv is "
+                   "missing or refused): sandboxed code runs as root, with no limit on its number of processes")
+    return []
+
+
+@functools.cache
+def _namespaces() -> tuple[list[str], bool]:
+    """The ``unshare`` command this machine allows, probed once: new network, mount and PID namespaces
+    (no network; every mount read-only but the code's folder; no process outlives the first one, and
+    the trainer's processes are out of sight), else a network namespace alone, else none. Also returns
+    whether the child makes the mounts read-only. What is missing is logged once. An unprivileged
+    trainer needs unprivileged user namespaces for any of them."""
+    unshare = shutil.which("unshare")
+    user = ["--user", "--map-root-user"] if os.geteuid() != 0 else []
+    full = [unshare, *user, "--net", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child"]
+    for prefix, readonly, missing in [(full, True, None), ([unshare, *user, "--net"], False, "mount or PID namespace")]:
+        probe = unshare and _run_boxed("print('boxed')", prefix, readonly, timeout=10.0, memory_mb=256, stdin="",
+                                       output_limit=64)
+        if probe == ("boxed\n", False):
+            if missing:
+                logger.warning(f"run_sandboxed: no {missing} can be made here: sandboxed code can write wherever its "
+                               "user can, and a child that leaves its session can outlive the call")
+            return prefix, readonly
+    logger.warning("run_sandboxed: no network namespace can be made here (no unshare, or unprivileged user namespaces "
+                   "are disabled): sandboxed code has the network and can write wherever its user can")
+    return [], False
+
+
+def run_sandboxed(code: str, *, timeout: float = 5.0, memory_mb: int = 256, stdin: str = "",
+                  output_limit: int = SANDBOX_OUTPUT_BYTES) -> tuple[str, bool]:
+    """Run Python ``code`` in a fresh isolated interpreter (``python -I``) in a child process, boxed:
+    ``(stdout, or the error text; failed)``. Nothing runs in the trainer's process.
+
+    The box: an environment of PATH and a scratch HOME only; a fresh temporary working directory,
+    removed afterwards; its own session, killed as a whole (SIGKILL) when the code returns, fails or
+    overruns ``timeout``; limits on CPU time, address space (``memory_mb``), file size, open files and
+    processes, set by a small first program (:mod:`plait.sandbox_child`) rather than ``preexec_fn``;
+    at most ``output_limit`` bytes of output read (the code is stopped there, and the result says so);
+    as root, the code runs as ``nobody`` (see :func:`_as_nobody`). Where the machine allows it (see
+    :func:`_namespaces`), it also has no network, the trainer's home hidden (tokens, keys, caches; the
+    interpreter's folders stay), a read-only filesystem but its folder, and its own process tree.
+
+    This keeps honest mistakes and casual reward hacking out of the trainer. It is not an isolation
+    boundary against a determined attacker: the kernel, files its user may read and (without
+    namespaces) the network stay within reach. For that, register an environment that runs the code in
+    nsjail, bubblewrap or a container (see examples/plait-sandbox-bwrap)."""
+    prefix, readonly = _namespaces()
+    return _run_boxed(code, prefix, readonly, timeout=timeout, memory_mb=memory_mb, stdin=stdin,
+                      output_limit=output_limit)
+
+
+def _run_boxed(code: str, prefix: list[str], readonly: bool, *, timeout: float, memory_mb: int, stdin: str,
+               output_limit: int) -> tuple[str, bool]:
+    seconds = max(1, math.ceil(timeout) + 1)
+    limits = {"RLIMIT_CPU": seconds, "RLIMIT_AS": memory_mb * 1024 * 1024, "RLIMIT_FSIZE": SANDBOX_FILE_MB << 20,
+              "RLIMIT_NOFILE": SANDBOX_OPEN_FILES, "RLIMIT_NPROC": SANDBOX_PROCESSES}
+    with tempfile.TemporaryDirectory(prefix="plait-sandbox-", ignore_cleanup_errors=True) as folder:
+        Path(folder, "main.py").write_text(code)
+        Path(folder, "stdin").write_text(stdin)
+        as_nobody = _as_nobody()
+        if as_nobody:
+            os.chown(folder, _NOBODY, _NOBODY)
+        settings = {"limits": limits, "readonly": readonly, "argv": [*as_nobody, sys.executable, "-I", "main.py"],
+                    "hide": os.path.expanduser("~"), "keep": [sys.base_prefix, sys.prefix, os.path.realpath(folder)]}
+        # nothing of the trainer's environment (its tokens); one thread per math library, as threads
+        # count against the process limit
+        env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": folder,
+               "OMP_NUM_THREADS": "1"}
+        with open(Path(folder, "stdin"), "rb") as given:
+            child = subprocess.Popen([*prefix, sys.executable, "-I", "-S", _CHILD, json.dumps(settings)], cwd=folder,
+                                     env=env, stdin=given, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+        try:
+            out, err, overflowed = _read_capped(child, time.monotonic() + timeout, output_limit)
+            timed_out = child.poll() is None
+        finally:
+            _kill_session(child)
+            child.wait()
+            child.stdout.close()
+            child.stderr.close()
+    stdout = out.decode(errors="replace")
+    if overflowed:
+        return f"{stdout}\n[output truncated: the code printed more than {output_limit} bytes and was stopped]", True
+    if timed_out:
         return f"error: the code did not finish within {timeout} s", True
-    if done.returncode != 0:
-        tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-        if done.returncode < 0:
-            tail = f"killed by signal {-done.returncode} (time or memory limit: {timeout} s, {memory_mb} MiB)"
+    if child.returncode != 0:
+        tail = (err.decode(errors="replace").strip().splitlines() or [f"exit status {child.returncode}"])[-1]
+        if child.returncode < 0:
+            tail = f"killed by signal {-child.returncode} (time or memory limit: {timeout} s, {memory_mb} MiB)"
         return f"error: {tail}", True
-    return done.stdout, False
+    return stdout, False
+
+
+def _read_capped(child: subprocess.Popen, deadline: float, limit: int) -> tuple[bytes, bytes, bool]:
+    """The child's stdout (its first ``limit`` bytes) and stderr (its last ``limit`` bytes), read as they
+    come until both close, the deadline passes or stdout overflows (True): never more than that in
+    memory. Once the first process exits its session is killed, so that a child it left behind holding
+    the pipes open cannot keep the call waiting."""
+    out, err = bytearray(), bytearray()
+    with selectors.DefaultSelector() as streams:
+        streams.register(child.stdout, selectors.EVENT_READ, out)
+        streams.register(child.stderr, selectors.EVENT_READ, err)
+        while streams.get_map():
+            if child.poll() is not None:
+                _kill_session(child)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for key, _ in streams.select(min(remaining, 0.05)):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    streams.unregister(key.fileobj)
+                elif key.data is out:
+                    out += chunk
+                    if len(out) > limit:
+                        return bytes(out[:limit]), bytes(err), True
+                else:
+                    err[:] = (err + chunk)[-limit:]
+    try:
+        child.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    return bytes(out), bytes(err), False
+
+
+def _kill_session(child: subprocess.Popen) -> None:
+    """SIGKILL to every process of the child's session (its process group: it started a new session);
+    in a PID namespace, killing its first process also ends every other one in it."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
