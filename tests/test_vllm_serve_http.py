@@ -1,14 +1,18 @@
 """`plait vllm-serve`'s HTTP layer on real sockets.
 
 Every request is judged from its headers before a byte of its body is read (token, route, size,
-framing); a body must arrive in full within ``--body-timeout``; the weight-sync store listens on
-the server's own address, never on every interface.
+framing); the request line and headers must arrive within ``--header-timeout`` all told and a
+body within ``--body-timeout``; connections beyond ``--max-connections`` get 503; a join request
+and a weight layout are checked (port, timeout, session prefix; the model's own parameter names,
+shapes and dtypes) before an engine sees them; the weight-sync store listens on the one address
+the client reached, never on every interface; the token is generated into a file of the user's
+alone when none is given; and every client request has a deadline.
 
 vLLM does not install in this venv (docs/vllm.md), so the engines are stood in for: an
 :class:`EnginePool` whose one engine runs in this process, echoing prompts back and joining the
-weight-sync group through the real ``WorkerExtension`` code, as a vLLM worker does. The server,
-its sockets, the client and the process group are real; tests/test_vllm_server.py runs the whole
-thing with vLLM.
+weight-sync group and receiving weights through the real ``WorkerExtension`` code, as a vLLM
+worker does. The server, its sockets, the client and the process group are real;
+tests/test_vllm_server.py runs the whole thing with vLLM.
 """
 
 import argparse
@@ -21,35 +25,52 @@ import time
 import urllib.error
 import urllib.request
 
+import stat
+
 import psutil
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from plait.errors import PlaitError
 from plait.generation import SamplingParams
-from plait.plugins.generation._vllm import WorkerExtension
+from plait.plugins.generation._vllm import (WorkerExtension, bucket_layout, policy_parameters, session_prefix,
+                                           token_path, write_token)
 from plait.plugins.generation.vllm_server import VLLMClient
-from plait.plugins.generation.vllm_serve import EnginePool, GenerationServer, add_arguments
+from plait.plugins.generation.vllm_serve import EnginePool, GenerationServer, add_arguments, server_token
+from plait.testing.tiny_model import tiny_model_path
 
 TOKEN = "s3cret-for-tests"
 LIMIT = 4096  # bytes, the body limit of the servers below unless a test says otherwise
 
 
 class StandInWorker(WorkerExtension):
-    """What ``WorkerExtension`` needs of a vLLM worker to join the weight group: its rank."""
+    """What ``WorkerExtension`` needs of a vLLM worker to join the weight group (its rank) and to
+    take weights (a reload: here the received tensors are kept)."""
 
     rank = 0
 
+    def plait_load_weights(self, weights) -> None:
+        self.loaded = {name: tensor.clone() for name, tensor in weights}
+
 
 class StandInPool(EnginePool):
-    """An engine pool of one in-process engine: generate echoes each prompt reversed; join and
-    leave run the real weight-group code of a vLLM worker."""
+    """An engine pool of one in-process engine: generate echoes each prompt reversed; join,
+    receive and leave run the real weight-group code of a vLLM worker. ``commands`` lists what
+    reached the engine."""
 
     def start(self) -> None:
         self.worker = StandInWorker()
+        self.commands = []
 
     def call(self, command: str, per_engine: list[tuple]) -> list:
         (arguments,) = per_engine
+        self.commands.append((command, arguments))
         return [getattr(self, f"_{command}")(*arguments)]
+
+    def _receive(self, layout):
+        self.worker.plait_receive_weights(layout)
+        return 0.0
 
     def _generate(self, prompt_ids, sampling, stop):
         return {"prompt_ids": prompt_ids, "completion_ids": [ids[::-1] for ids in prompt_ids],
@@ -72,8 +93,8 @@ def serving(host: str = "127.0.0.1", **options):
     add_arguments(parser)
     pool = StandInPool(parser.parse_args(["--model", "stand-in"]))
     pool.start()
-    server = GenerationServer((host, 0), pool, model="stand-in", token=TOKEN,
-                              **{"max_body_bytes": LIMIT, "body_timeout": 1.0, **options})
+    server = GenerationServer((host, 0), pool, model=str(tiny_model_path()), **{
+        "token": TOKEN, "max_body_bytes": LIMIT, "body_timeout": 1.0, "header_timeout": 1.0, **options})
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -199,7 +220,7 @@ def test_a_trickled_body_is_408_within_the_timeout():
 
 
 def test_a_stalled_request_head_is_dropped_within_the_timeout():
-    with serving(body_timeout=1.0) as server, connect(server) as sock:
+    with serving(header_timeout=1.0) as server, connect(server) as sock:
         sock.sendall(b"POST /generate HTTP/1.1\r\nHost: te")  # then nothing
         start = time.monotonic()
         assert sock.recv(1024) == b""  # closed by the server
@@ -244,14 +265,200 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2"])
-def test_the_weight_sync_store_listens_on_the_server_host_only(host):
-    with serving(host) as server:
-        client = VLLMClient(host=host, port=server.server_address[1], token=TOKEN, group_port=free_port(host),
-                            connection_timeout=30)
-        client.wait_until_ready()
-        client.init_weight_group()  # the stand-in worker hosts the store, as vLLM's worker 0 does
-        try:
-            assert listening_addresses(client.group_port) == {host}
-        finally:
-            client.close()
+def client_of(server, host="127.0.0.1", **options) -> VLLMClient:
+    return VLLMClient(host=host, port=server.server_address[1], **{"token": TOKEN, "connection_timeout": 30, **options})
+
+
+@pytest.mark.parametrize("bind, reach", [("127.0.0.1", "127.0.0.1"), ("0.0.0.0", "127.0.0.2")])
+def test_the_weight_sync_store_listens_on_the_address_the_client_reached(bind, reach):
+    """Under --host 0.0.0.0 the store once listened on every interface; now on the one the
+    authenticated client's request arrived at, under a secret prefix of its session."""
+    with serving(bind) as server:
+        prefixes = []
+        for _ in range(2):
+            client = client_of(server, reach, group_port=free_port(reach))
+            client.wait_until_ready()
+            client.init_weight_group()  # the stand-in worker hosts the store, as vLLM's worker 0 does
+            try:
+                assert listening_addresses(client.group_port) == {reach}
+            finally:
+                client.close()
+            (host, port, _, _, _, _, prefix), = [a for c, a in server.pool.commands if c == "join"][-1:]
+            assert (host, port) == (reach, client.group_port)
+            prefixes.append(prefix)
+        assert prefixes[0] != prefixes[1] and all(p.startswith("plait-weights-") for p in prefixes)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path(), dtype=torch.float32)
+
+
+def test_weights_pushed_through_the_front_arrive_intact(tiny_model):
+    with serving() as server:
+        client = client_of(server, group_port=free_port("127.0.0.1"))
+        with policy_parameters(tiny_model) as named:
+            client.update_weights(named)
+            loaded = server.pool.worker.loaded
+            assert list(loaded) == [name for name, _ in named]
+            assert all(torch.equal(loaded[name], param) for name, param in named)
+        client.close()
+
+
+def tiny_layout(tiny_model) -> list[dict]:
+    with policy_parameters(tiny_model) as named:
+        return bucket_layout(named, limit=2**16)
+
+
+def with_entry(layout, bucket, index, position, value) -> list[dict]:
+    changed = json.loads(json.dumps(layout))
+    changed[bucket]["params"][index][position] = value
+    return changed
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda l: with_entry(l, 0, 0, 0, "lm_head.evil"), "'lm_head.evil' is not a parameter of this server's model"),
+    (lambda l: with_entry(l, 0, 0, 1, [2**40]), "has shape"),
+    (lambda l: with_entry(l, 1, 1, 2, 0), "must start at"),
+    (lambda l: [{**l[0], "numel": 2**50}, *l[1:]], "numel must be"),
+    (lambda l: [{**l[0], "dtype": "float64"}, *l[1:]], "dtype 'float64' is not one of"),
+    (lambda l: [{**l[0], "dtype": "save"}, *l[1:]], "dtype 'save' is not one of"),
+    (lambda l: l + l[:1], "is sent twice"),
+    (lambda l: {"a": 1}, "'layout' must be a list"),
+    (lambda l: [{"dtype": "float32", "numel": 1, "params": [["x"]]}], "each param must be [name, shape, offset]"),
+], ids=["unknown-name", "huge-shape", "overlap", "huge-numel", "float64", "not-a-dtype", "twice", "not-a-list",
+        "short-entry"])
+def test_a_layout_that_is_not_the_models_is_refused_before_an_engine_allocates(tiny_model, change, says):
+    with serving() as server:
+        status, reply = post(server, "/update_weights", json.dumps({"layout": change(tiny_layout(tiny_model))}).encode())
+    assert status == 400 and says in reply["error"]
+    assert server.pool.commands == []  # nothing reached the engine
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"port": "51216", "prefix": session_prefix()}, "'port' must be a port number"),
+    ({"port": 70000, "prefix": session_prefix()}, "'port' must be a port number"),
+    ({"port": True, "prefix": session_prefix()}, "'port' must be a port number"),
+    ({"port": 51216, "timeout": 1e9, "prefix": session_prefix()}, "'timeout' must be seconds"),
+    ({"port": 51216, "timeout": -1, "prefix": session_prefix()}, "'timeout' must be seconds"),
+    ({"port": 51216}, "'prefix' must be a fresh session prefix"),
+    ({"port": 51216, "prefix": "plait-weights"}, "'prefix' must be a fresh session prefix"),
+], ids=["port-text", "port-range", "port-bool", "timeout-huge", "timeout-negative", "no-prefix", "constant-prefix"])
+def test_a_join_request_is_checked_before_the_engines_join(body, says):
+    with serving() as server:
+        status, reply = post(server, "/init_communicator", json.dumps(body).encode())
+    assert status == 400 and says in reply["error"]
+    assert server.pool.commands == []
+
+
+@pytest.mark.parametrize("route", ["/update_weights", "/init_communicator", "/close", "/reset_prefix_cache"])
+def test_calls_that_change_the_engines_need_the_token(route):
+    body = {"layout": [], "port": 51216, "prefix": session_prefix()}
+    with serving() as server:
+        assert [post(server, route, json.dumps(body).encode(), token=t)[0] for t in ("", "wrong")] == [401, 401]
+    assert server.pool.commands == []
+
+
+def test_a_server_made_without_a_token_refuses_everything():
+    with serving(token=None) as server:
+        assert post(server, "/close", b"{}", token="None")[0] == 401
+
+
+def test_a_trickled_request_head_is_dropped_at_one_deadline():
+    """Slowloris: a header line every 0.2 s; each read is quick, only the one deadline ends it."""
+    with serving(header_timeout=1.0) as server, connect(server) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\n")
+        start, dropped = time.monotonic(), False
+        while time.monotonic() - start < 5 and not dropped:
+            try:
+                sock.sendall(b"X-Slow: 1\r\n")
+            except OSError:
+                dropped = True
+            time.sleep(0.2)
+        held = time.monotonic() - start
+    print(f"\na client trickling its headers was dropped after {held:.1f} s")
+    assert dropped and held < 2.5
+
+
+def test_connections_beyond_the_limit_get_503_until_one_frees():
+    with serving(max_connections=2, header_timeout=5.0) as server:
+        idle = [connect(server) for _ in range(2)]  # each holds a slot, saying nothing
+        time.sleep(0.2)
+        with connect(server) as sock:
+            sock.sendall(head("/reset_prefix_cache", length=2) + b"{}")
+            status, headers, reply = read_response(sock)
+        assert status == 503 and "--max-connections" in reply["error"]
+        idle.pop().close()  # its handler sees the end and frees the slot
+        client = client_of(server)  # plait's client tries a 503 again
+        client.reset_prefix_cache()
+        for sock in idle:
+            sock.close()
+
+
+def hung_server() -> socket.socket:
+    """A socket that accepts connections (the kernel does) and never answers."""
+    return socket.create_server(("127.0.0.1", 0))
+
+
+@pytest.mark.parametrize("call", [
+    lambda c: c.generate([[1, 2]], SamplingParams(), [0]),
+    lambda c: c.reset_prefix_cache(),
+    lambda c: c._request("POST", "/update_weights", {"layout": []}, idempotent=False),
+    lambda c: c._request("POST", "/init_communicator", {"port": 1}, idempotent=False),
+], ids=["generate", "reset", "update_weights", "init_communicator"])
+def test_every_client_request_has_a_deadline(call):
+    with hung_server() as hung:
+        client = VLLMClient(port=hung.getsockname()[1], token=TOKEN, request_timeout=1.0)
+        start = time.monotonic()
+        with pytest.raises(PlaitError, match=r"did not answer POST /\w+ within 1 s; it is hung or overloaded "
+                                             r"\(raise vllm_server_request_timeout"):
+            call(client)
+        assert time.monotonic() - start < 3  # no second try: a hung server would only be waited on again
+
+
+def serve_arguments(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--model", "unused", "--port", "8123", *flags])
+
+
+@pytest.fixture
+def runtime_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("PLAIT_VLLM_TOKEN", raising=False)
+    return tmp_path
+
+
+def test_a_token_is_generated_into_a_file_local_clients_find(runtime_dir):
+    token, path = server_token(serve_arguments())
+    assert path == token_path(8123) == runtime_dir / "plait" / f"vllm-serve-{socket.gethostname()}-8123.token"
+    assert len(token) >= 40
+    with serving(token=token) as server:
+        port = server.server_address[1]
+        generated = token_path(port)
+        write_token(generated, token)  # as `plait vllm-serve --port PORT` does once it listens
+        assert stat.S_IMODE(generated.stat().st_mode) == 0o600
+        assert stat.S_IMODE(generated.parent.stat().st_mode) == 0o700
+        assert VLLMClient(port=port).wait_until_ready()["status"] == "ok"  # found, no token configured
+        assert VLLMClient(host="192.0.2.1", port=port).credentials()[0] is None  # never sent to another machine
+        write_token(generated, "stale")
+        with pytest.raises(PlaitError, match=f"refused GET /health \\(401\\).*this client's token: {generated}"):
+            VLLMClient(port=port).health()
+
+
+def test_token_flags(runtime_dir, capsys, monkeypatch):
+    assert server_token(serve_arguments("--token", "abc")) == ("abc", None)
+    assert "--token is visible to every user of this machine (ps" in capsys.readouterr().err
+    chosen = runtime_dir / "mine.token"
+    token, path = server_token(serve_arguments("--token-file", str(chosen)))
+    assert path == chosen  # missing: generated into it
+    chosen.write_text("from-the-file\n")
+    chosen.chmod(0o644)
+    with pytest.raises(PlaitError, match="open to other users .*-rw-r--r--.*chmod 600"):
+        server_token(serve_arguments("--token-file", str(chosen)))
+    chosen.chmod(0o600)
+    assert server_token(serve_arguments("--token-file", str(chosen))) == ("from-the-file", None)
+    client = VLLMClient(port=1, token_file=str(chosen))
+    assert client.credentials() == ("from-the-file", f"vllm_server_token_file {chosen}")
+    monkeypatch.setenv("PLAIT_VLLM_TOKEN", "from-env")
+    assert server_token(serve_arguments()) == ("from-env", None)

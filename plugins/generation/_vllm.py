@@ -22,9 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import os
+import secrets
 import socket
+import stat
 import time
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
@@ -34,6 +38,9 @@ from plait.generation import SamplingParams
 
 WORKER_EXTENSION = "plait.plugins.generation._vllm.WorkerExtension"
 BUCKET_BYTES = 512 * 2**20  # weights travel in flat buckets of at most this size
+# the dtypes a weight bucket may have: a model's floating-point parameters, in whatever precision it trains
+WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKEN_ENV = "PLAIT_VLLM_TOKEN"
 
 
 def import_vllm(who: str):
@@ -211,23 +218,31 @@ def materialised(named: Sequence[tuple[str, torch.Tensor]]) -> Iterator[tuple[st
 # ---------------------------------------------------------------------------------------------
 
 
-def weight_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout: float = 300.0):
+def weight_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout: float = 300.0,
+                 prefix: str = "plait-weights"):
     """A process group of its own, built from a TCP store (rank 0 hosts it at ``host:port``).
 
     torch.distributed.init_process_group cannot be used: the trainer or the engine may already
     have a default group, and a second one is refused. The store listens on ``host`` alone:
     TCPStore's own server would listen on every interface, so rank 0 hands it a bound socket.
+    The store has no authentication, so the server's sessions key it under a random ``prefix``
+    (:func:`session_prefix`) that only the authenticated client knows.
     """
     wait = datetime.timedelta(seconds=timeout)
     listener = listening_socket(host, port) if rank == 0 else None
     store = torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0, timeout=wait,
                                        master_listen_fd=listener)
-    store = torch.distributed.PrefixStore("plait-weights", store)
+    store = torch.distributed.PrefixStore(prefix, store)
     if backend == "gloo":
         return torch.distributed.ProcessGroupGloo(store, rank, world_size, wait)
     if backend == "nccl":
         return torch.distributed.ProcessGroupNCCL(store, rank, world_size)
     raise PlaitError(f"weight-sync backend {backend!r} is not supported; use gloo (CPU) or nccl (GPU)")
+
+
+def session_prefix() -> str:
+    """A fresh, unguessable key prefix for one weight-sync session's store."""
+    return f"plait-weights-{secrets.token_hex(16)}"
 
 
 def listening_socket(host: str, port: int) -> int:
@@ -279,10 +294,60 @@ def send_buckets(group, root: int, layout: list[dict], named: Sequence[tuple[str
 def receive_buckets(group, root: int, layout: list[dict], device) -> Iterator[tuple[str, torch.Tensor]]:
     """The receiving side of :func:`send_buckets`: (name, tensor) views into each bucket as it arrives."""
     for bucket in layout:
-        buffer = torch.empty(bucket["numel"], dtype=getattr(torch, bucket["dtype"]), device=device)
+        buffer = torch.empty(bucket["numel"], dtype=WEIGHT_DTYPES[bucket["dtype"]], device=device)
         broadcast(group, buffer, root)
         for name, shape, offset in bucket["params"]:
             yield name, buffer[offset:offset + int(torch.Size(shape).numel())].view(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# The server's token: the one secret between `plait vllm-serve` and its clients
+# ---------------------------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is this machine's loopback."""
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback
+                   for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP))
+    except (OSError, ValueError):
+        return False
+
+
+def token_path(port: int) -> Path:
+    """Where ``plait vllm-serve --port PORT`` writes the token it generates, and where clients of
+    a loopback server look for it: ``$XDG_RUNTIME_DIR/plait/`` (per user, emptied at logout), else
+    ``${XDG_CACHE_HOME:-~/.cache}/plait/``, as ``vllm-serve-<machine name>-<port>.token`` (the
+    machine's name keeps servers apart when machines share a home folder)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    folder = Path(runtime) / "plait" if runtime else Path(cache) / "plait"
+    return folder / f"vllm-serve-{socket.gethostname()}-{port}.token"
+
+
+def write_token(path: Path, token: str) -> None:
+    """Write ``token`` to ``path`` for this user alone (file 0600, a folder made here 0700); a
+    reader sees the old file or the new one, never half of it."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    staged = path.with_name(f".{path.name}.{os.getpid()}")
+    with os.fdopen(os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w") as out:
+        out.write(token + "\n")
+    os.replace(staged, path)
+
+
+def read_token(path: str | os.PathLike) -> str:
+    """The token in ``path``, which must be this user's and closed to others (as ssh treats a key)."""
+    path = Path(path).expanduser()
+    try:
+        info, text = path.stat(), path.read_text().strip()
+    except OSError as err:
+        raise PlaitError(f"cannot read the vLLM server token file {path} ({err.strerror})") from None
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PlaitError(f"the vLLM server token file {path} is open to other users (mode "
+                         f"{stat.filemode(info.st_mode)}, owner uid {info.st_uid}); make it yours with chmod 600")
+    if not text:
+        raise PlaitError(f"the vLLM server token file {path} is empty")
+    return text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,9 +373,9 @@ class WorkerExtension:
                     module.quant_method.process_weights_after_loading(module)
 
     def plait_join_weight_group(self, host: str, port: int, world_size: int, rank_offset: int, backend: str,
-                                timeout: float) -> int:
+                                timeout: float, prefix: str) -> int:
         rank = rank_offset + self.rank
-        self._plait_group = weight_group(host, port, rank, world_size, backend, timeout)
+        self._plait_group = weight_group(host, port, rank, world_size, backend, timeout, prefix)
         self._plait_root = world_size - 1  # the trainer is the last rank
         return rank
 

@@ -1,18 +1,20 @@
 """``plait vllm-serve``: a vLLM generation server that an online trainer drives (server mode).
 
 ``plait vllm-serve --model PATH [--tensor-parallel-size N] [--data-parallel-size N] [--host H]
-[--port P] [--gpu-memory-utilization F] [--token T] [--max-body-bytes B] [--body-timeout S]``
-starts ``data_parallel_size`` engine processes (each a ``vllm.LLM`` over ``tensor_parallel_size``
-devices, or over its own share of the CPU cores) behind a small JSON-over-HTTP front:
+[--port P] [--gpu-memory-utilization F] [--token-file PATH] [--max-connections N]
+[--header-timeout S] [--max-body-bytes B] [--body-timeout S]`` starts ``data_parallel_size``
+engine processes (each a ``vllm.LLM`` over ``tensor_parallel_size`` devices, or over its own share
+of the CPU cores) behind a small JSON-over-HTTP front:
 
 ====================  =====================================================================
 ``GET /health``       ``{"status": "ok", "world_size", "weight_backend", "devices", ...}``
 ``POST /generate``    ``{"prompts": [ids | text | messages], "sampling": {SamplingParams},
                       "stop_token_ids": [...]}`` -> prompt_ids, completion_ids, texts,
                       per-token logprobs and finished, grouped by prompt
-``POST /init_communicator``  ``{"port"}``: the engines' workers join a weight-sync process group
-                      with the trainer (rank ``world_size``; worker 0 hosts the store at
-                      ``port`` on the server's own address, never on every interface)
+``POST /init_communicator``  ``{"port", "timeout", "prefix"}``: the engines' workers join a
+                      weight-sync process group with the trainer (rank ``world_size``); worker 0
+                      hosts its store at ``port`` on the address this request arrived at, keyed
+                      under the session's random ``prefix``
 ``POST /update_weights``     ``{"layout"}``: receive the buckets the trainer broadcasts, reload
                       them into the engines, reset the prefix cache
 ``POST /reset_prefix_cache``
@@ -20,13 +22,16 @@ devices, or over its own share of the CPU cores) behind a small JSON-over-HTTP f
 ====================  =====================================================================
 
 Weights never travel in an HTTP body: they go over the process group (gloo on CPU, NCCL on
-GPU). The server binds 127.0.0.1 by default; binding any other address needs a shared token
-(``--token`` or PLAIT_VLLM_TOKEN), and then every request without ``Authorization: Bearer
-<token>`` is refused with 401. Every request is judged from its headers before a byte of its
-body is read: a wrong token is 401, a body over ``--max-body-bytes`` (64 MiB) is 413, and a body
-that does not arrive in full within ``--body-timeout`` seconds (60; also the longest pause
-allowed while the headers arrive) is 408, so a slow or stalled client cannot hold a handler
-thread. Note that the weight-sync store listens (on ``--host``) while a trainer joins.
+GPU). Every request must carry ``Authorization: Bearer <token>``: the token is ``--token-file``'s
+(generated into it when the file does not exist), PLAIT_VLLM_TOKEN, ``--token`` (visible to every
+user in ``ps``), or else a fresh one written to a file of this user's alone
+(:func:`~plait.plugins.generation._vllm.token_path`) where clients on this machine find it.
+
+The front is bounded: at most ``--max-connections`` at once (more get 503), the request line and
+headers must arrive within ``--header-timeout`` seconds all told and the body within
+``--body-timeout``, each request is judged from its headers before its body is read (401, 404,
+411, 413), and a weight layout or join request is checked against the model's own parameters and
+sane ranges before an engine allocates anything.
 """
 
 from __future__ import annotations
@@ -34,10 +39,13 @@ from __future__ import annotations
 import argparse
 import functools
 import hmac
-import ipaddress
+import io
 import json
+import math
 import multiprocessing
 import os
+import re
+import secrets
 import signal
 import socket
 import sys
@@ -46,14 +54,24 @@ import time
 import traceback
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from plait import hookimpl
 from plait.cli import Command
 from plait.errors import PlaitError
 
-TOKEN_ENV = "PLAIT_VLLM_TOKEN"
+from ._vllm import TOKEN_ENV, WEIGHT_DTYPES, is_loopback, read_token, token_path, write_token
+
+if TYPE_CHECKING:
+    import torch
+
 MAX_BODY_BYTES = 64 * 2**20  # generate requests: millions of prompt token ids; weights never travel in a body
 BODY_TIMEOUT = 60.0  # seconds for a whole body to arrive: 64 MiB at ~1 MB/s
+HEADER_TIMEOUT = 10.0  # seconds for the request line and all headers together: a few hundred bytes
+MAX_CONNECTIONS = 32  # open at once; one trainer uses a few (generate, a weight push, health)
+MAX_JOIN_TIMEOUT = 3600.0  # the longest wait for a trainer to join the weight-sync group a client may ask for
+SESSION_PREFIX = re.compile(r"plait-weights-[0-9a-f]{32}")  # what _vllm.session_prefix makes
 # After refusing a request whose body was not read, the client may still be sending: discard at
 # most this much, this long, so it can read the refusal instead of a reset (RFC 9112 section 9.6).
 LINGER_BYTES, LINGER_SECONDS = 2**20, 1.0
@@ -66,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "--tensor_parallel_size", type=int, default=1)
     parser.add_argument("--data-parallel-size", "--data_parallel_size", type=int, default=1)
     parser.add_argument("--host", default="127.0.0.1",
-                        help="address to bind (default loopback; any other needs --token)")
+                        help="address to bind (default loopback; any other needs a token you give clients)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--gpu-memory-utilization", "--gpu_memory_utilization", type=float, default=0.9)
     parser.add_argument("--dtype", default="auto")
@@ -77,43 +95,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", "--enforce_eager", action=argparse.BooleanOptionalAction, default=None,
                         help="no CUDA graphs / compilation (default: on for CPU)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--token", default=None, help=f"shared secret clients must send (or set {TOKEN_ENV})")
+    parser.add_argument("--token-file", default=None,
+                        help="file holding the token clients must send (made, mode 0600, when missing); default: "
+                             f"{TOKEN_ENV}, else a fresh token in a file of yours that local clients find")
+    parser.add_argument("--token", default=None,
+                        help="the token itself: visible to every user of this machine in `ps`; prefer --token-file")
+    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                        help=f"connections served at once; more are answered 503 (default {MAX_CONNECTIONS})")
+    parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT,
+                        help="seconds the request line and headers may take to arrive, all together (default 10)")
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                         help="largest request body accepted; larger ones get 413 before they are read (default 64 MiB)")
     parser.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT,
-                        help="seconds a request body may take to arrive in full (and the longest pause while "
-                             "headers arrive); slower clients get 408 (default 60)")
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return all(ipaddress.ip_address(info[4][0]).is_loopback
-                   for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP))
-    except (OSError, ValueError):
-        return False
+                        help="seconds a request body may take to arrive in full; slower clients get 408 (default 60)")
 
 
 def check_bind(host: str, token: str | None) -> None:
-    """Refuse to listen beyond loopback without a token: the server runs arbitrary prompts and
-    overwrites its weights on request."""
+    """Refuse to listen beyond loopback without a token the operator chose: the server runs
+    arbitrary prompts and overwrites its weights on request, and a generated token lives in a
+    file on this machine that remote clients cannot read."""
     if not token and not is_loopback(host):
-        raise PlaitError(f"--host {host} listens beyond this machine; pass --token SECRET (or set {TOKEN_ENV}) "
-                         "so requests without it are refused, or bind --host 127.0.0.1")
+        raise PlaitError(f"--host {host} listens beyond this machine; pass --token-file PATH (or {TOKEN_ENV}) "
+                         "and give the token to your clients, or bind --host 127.0.0.1")
+
+
+def server_token(args: argparse.Namespace) -> tuple[str, Path | None]:
+    """The token this server requires, and the file to write it into (None: it is there already
+    or the operator holds it). In order: ``--token`` (warned: any user sees it in ``ps``),
+    ``--token-file`` (read, or generated into when missing), PLAIT_VLLM_TOKEN, a fresh token for
+    :func:`token_path`."""
+    if args.token:
+        print("plait vllm-serve: warning: --token is visible to every user of this machine (ps, /proc/*/cmdline); "
+              f"use --token-file or {TOKEN_ENV}", file=sys.stderr)
+        return args.token, None
+    if args.token_file:
+        path = Path(args.token_file).expanduser()
+        return (read_token(path), None) if path.exists() else (secrets.token_urlsafe(32), path)
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV], None
+    return secrets.token_urlsafe(32), token_path(args.port)
 
 
 def run(args: argparse.Namespace, plugins) -> int:
-    token = args.token or os.environ.get(TOKEN_ENV) or None
-    check_bind(args.host, token)
-    for flag in ("tensor_parallel_size", "data_parallel_size", "port", "max_body_bytes"):
+    check_bind(args.host, args.token or args.token_file or os.environ.get(TOKEN_ENV))
+    for flag in ("tensor_parallel_size", "data_parallel_size", "port", "max_body_bytes", "max_connections"):
         if getattr(args, flag) < 1:
             raise PlaitError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be at least 1")
-    if not args.body_timeout > 0:
-        raise PlaitError(f"--body-timeout={args.body_timeout} must be a positive number of seconds")
-    try:  # bind first: a busy port fails now
-        httpd = GenerationServer((args.host, args.port), model=args.model, token=token,
+    for flag in ("header_timeout", "body_timeout"):
+        if not 0 < getattr(args, flag) < math.inf:
+            raise PlaitError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be a positive number of seconds")
+    token, token_file = server_token(args)
+    try:  # bind first: a busy port fails now, before its server's token file is overwritten
+        httpd = GenerationServer((args.host, args.port), model=args.model, revision=args.revision, token=token,
+                                 max_connections=args.max_connections, header_timeout=args.header_timeout,
                                  max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout)
     except OSError as err:
         raise PlaitError(f"cannot listen on {args.host}:{args.port} ({err.strerror}); choose another --port") from None
+    if token_file is not None:
+        write_token(token_file, token)
+        print(f"plait vllm-serve: the token is in {token_file} (yours alone, removed at exit); clients on this "
+              "machine find it there, others need vllm_server_token_file", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     pool = EnginePool(args)
     try:
@@ -130,6 +171,8 @@ def run(args: argparse.Namespace, plugins) -> int:
     finally:
         httpd.server_close()
         pool.close()
+        if token_file is not None:
+            token_file.unlink(missing_ok=True)
     return 0
 
 
@@ -277,10 +320,11 @@ class EnginePool:
         start = index * per + min(index, extra)
         return slice(start, start + per + (index < extra))
 
-    def join(self, host: str, port: int, timeout: float) -> None:
-        """Every worker joins the weight-sync group; worker 0 hosts its store at ``host:port``."""
+    def join(self, host: str, port: int, timeout: float, prefix: str) -> None:
+        """Every worker joins the weight-sync group; worker 0 hosts its store at ``host:port``,
+        its keys under ``prefix``."""
         tp = self.args.tensor_parallel_size
-        self.call("join", [(host, port, self.world_size + 1, i * tp, self.weight_backend, timeout)
+        self.call("join", [(host, port, self.world_size + 1, i * tp, self.weight_backend, timeout, prefix)
                            for i in range(self.engines)])
 
     def close(self) -> None:
@@ -305,15 +349,68 @@ class EnginePool:
 
 class GenerationServer(ThreadingHTTPServer):
     """The HTTP front: ``pool`` (an :class:`EnginePool`) answers the routes; ``token``,
-    ``max_body_bytes`` and ``body_timeout`` decide which requests it gets to see."""
+    ``max_connections``, ``header_timeout``, ``max_body_bytes`` and ``body_timeout`` decide which
+    requests it gets to see, and ``model`` (its config) which weight layouts it accepts."""
 
     daemon_threads = True
+    busy = json.dumps({"error": "the server is at its connection limit (plait vllm-serve --max-connections); "
+                                "retry"}).encode()
+    busy_reply = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(busy), busy))
 
-    def __init__(self, address: tuple[str, int], pool: EnginePool | None = None, *, model: str = "",
-                 token: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT):
+    def __init__(self, address: tuple[str, int], pool: EnginePool | None = None, *, token: str, model: str = "",
+                 revision: str | None = None, max_connections: int = MAX_CONNECTIONS,
+                 header_timeout: float = HEADER_TIMEOUT, max_body_bytes: int = MAX_BODY_BYTES,
+                 body_timeout: float = BODY_TIMEOUT):
         super().__init__(address, Handler)
-        self.pool, self.model, self.token = pool, model, token
-        self.max_body_bytes, self.body_timeout = max_body_bytes, body_timeout
+        self.pool, self.model, self.revision, self.token = pool, model, revision, token
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.header_timeout, self.max_body_bytes, self.body_timeout = header_timeout, max_body_bytes, body_timeout
+
+    def process_request(self, request, client_address) -> None:
+        """Serve the connection in a thread of its own if a slot is free, else answer 503 and close."""
+        if not self.slots.acquire(blocking=False):
+            try:  # a fresh socket's send buffer takes these few bytes at once: nothing here can block
+                request.setblocking(False)
+                request.send(self.busy_reply)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    @functools.cached_property
+    def parameters(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return model_parameters(self.model, self.revision)
+
+
+class DeadlineReader(io.RawIOBase):
+    """A socket's receiving side where every read shares one ``deadline`` (time.monotonic()),
+    so a client that trickles a byte at a time cannot outlast it: a plain socket timeout starts
+    afresh with every byte."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.deadline = sock, math.inf
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the deadline passed")
+        self.sock.settimeout(None if left == math.inf else left)
+        return self.sock.recv_into(buffer)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -324,8 +421,16 @@ class Handler(BaseHTTPRequestHandler):
               ("POST", "/reset_prefix_cache"): "reset_prefix_cache", ("POST", "/close"): "close_communicator"}
 
     def setup(self) -> None:
-        self.timeout = self.server.body_timeout  # socket timeout: a stalled request line or header is dropped
         super().setup()
+        self.rfile.close()  # every read goes through one deadline instead
+        self.reader = DeadlineReader(self.connection)
+        self.rfile = io.BufferedReader(self.reader)
+
+    def handle_one_request(self) -> None:
+        """One request, whose request line and headers must all arrive within ``header_timeout``
+        (BaseHTTPRequestHandler drops the connection when they do not)."""
+        self.reader.deadline = time.monotonic() + self.server.header_timeout
+        super().handle_one_request()
 
     def log_message(self, format, *args) -> None:  # one line per request on stderr, without the host
         sys.stderr.write(f"plait vllm-serve: {format % args}\n")
@@ -392,23 +497,12 @@ class Handler(BaseHTTPRequestHandler):
         return int(text) if len(values) == 1 and text.isascii() and text.isdigit() else None
 
     def _read_body(self, length: int) -> bytes:
-        """The body, which must arrive in full within ``body_timeout`` seconds: one deadline for
-        the whole read, so a client trickling a byte at a time cannot outlast it."""
-        deadline = time.monotonic() + self.server.body_timeout
-        body = bytearray()
-        try:
-            while len(body) < length:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError
-                self.connection.settimeout(left)
-                chunk = self.rfile.read1(min(length - len(body), 2**20))
-                if not chunk:
-                    raise ConnectionResetError
-                body += chunk
-        finally:
-            self.connection.settimeout(self.timeout)
-        return bytes(body)
+        """The body, which must arrive in full within ``body_timeout`` seconds of the headers' end."""
+        self.reader.deadline = time.monotonic() + self.server.body_timeout
+        body = self.rfile.read(length)
+        if len(body) < length:
+            raise ConnectionResetError
+        return body
 
     def _refuse(self, status: HTTPStatus, message: str) -> None:
         """Answer and close without taking in the body; first discard a little of what the client
@@ -429,14 +523,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def _authorised(self) -> bool:
         token = self.server.token
-        if not token:
-            return True
         sent = self.headers.get("Authorization", "")
-        return hmac.compare_digest(sent.encode(), f"Bearer {token}".encode())
+        return bool(token) and hmac.compare_digest(sent.encode(), f"Bearer {token}".encode())
 
     def _reply(self, status: HTTPStatus, payload: dict) -> None:
         data = json.dumps(payload).encode()
         try:
+            self.connection.settimeout(self.server.body_timeout)  # a client that does not read its answer is dropped too
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -472,12 +565,22 @@ class Handler(BaseHTTPRequestHandler):
         return self.pool.generate(ids, sampling, [int(t) for t in body.get("stop_token_ids") or []])
 
     def init_communicator(self, body: dict) -> dict:
-        # the store listens where this server does (loopback by default), never on every interface
-        self.pool.join(self.server.server_address[0], int(body["port"]), float(body.get("timeout", 300)))
+        port, timeout, prefix = body.get("port"), body.get("timeout", 300), body.get("prefix")
+        if type(port) is not int or not 0 < port < 65536:
+            raise ValueError(f"'port' must be a port number (1-65535), not {port!r}")
+        if type(timeout) not in (int, float) or not 0 < timeout <= MAX_JOIN_TIMEOUT:
+            raise ValueError(f"'timeout' must be seconds, more than 0 and at most {MAX_JOIN_TIMEOUT:g}, not {timeout!r}")
+        if not isinstance(prefix, str) or not SESSION_PREFIX.fullmatch(prefix):
+            raise ValueError("'prefix' must be a fresh session prefix ('plait-weights-' and 32 hex digits)")
+        # The store listens on the address this authenticated client reached (one interface,
+        # even under --host 0.0.0.0), its keys under the session's secret prefix.
+        self.pool.join(self.connection.getsockname()[0], port, float(timeout), prefix)
         return {"world_size": self.pool.world_size + 1}
 
     def update_weights(self, body: dict) -> dict:
-        seconds = self.pool.broadcast("receive", body["layout"])
+        # the engines allocate what the model's own parameters say, never what a request says
+        layout = checked_layout(body.get("layout"), self.server.parameters)
+        seconds = self.pool.broadcast("receive", layout)
         return {"seconds": max(seconds)}
 
     def reset_prefix_cache(self, body: dict) -> dict:
@@ -487,6 +590,58 @@ class Handler(BaseHTTPRequestHandler):
     def close_communicator(self, body: dict) -> dict:
         self.pool.broadcast("leave")
         return {"status": "ok"}
+
+
+def model_parameters(model: str, revision: str | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The model's parameters as a trainer names them (name -> shape, dtype; tied ones once),
+    built from its config on the meta device: no weight is read and nothing allocated."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model, revision=revision)
+    architecture = getattr(transformers, next(iter(config.architectures or []), ""), None)
+    with torch.device("meta"):
+        skeleton = (architecture(config) if architecture is not None
+                    else transformers.AutoModelForCausalLM.from_config(config))
+    return {name: (tuple(p.shape), p.dtype) for name, p in skeleton.named_parameters()}
+
+
+def checked_layout(layout, parameters: dict) -> list[dict]:
+    """A weight layout (:func:`~plait.plugins.generation._vllm.bucket_layout`) rebuilt from the
+    model's own parameters, or a ValueError where the one sent does not describe them: each name
+    one of them, at most once, with its shape and a floating dtype for it, packed one after another
+    without gap or overlap. What an engine allocates for a push is then bounded by the model's size."""
+    if not isinstance(layout, list):
+        raise ValueError("'layout' must be a list of weight buckets")
+    sent, checked = set(), []
+    for index, bucket in enumerate(layout):
+        if not isinstance(bucket, dict) or not isinstance(bucket.get("params"), list):
+            raise ValueError(f"weight bucket {index} must be an object with dtype, numel and params")
+        if bucket.get("dtype") not in WEIGHT_DTYPES:
+            raise ValueError(f"weight bucket {index}: dtype {bucket.get('dtype')!r} is not one of {sorted(WEIGHT_DTYPES)}")
+        rows, end = [], 0
+        for entry in bucket["params"]:
+            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
+                raise ValueError(f"weight bucket {index}: each param must be [name, shape, offset], not {entry!r}")
+            name, shape, offset = entry
+            if name not in parameters or name in sent:
+                raise ValueError(f"weight bucket {index}: {name!r} is " + (
+                    "sent twice" if name in sent else "not a parameter of this server's model"))
+            expected, dtype = parameters[name]
+            if shape != list(expected) or not dtype.is_floating_point:
+                raise ValueError(f"weight bucket {index}: {name} has shape {list(expected)} ({dtype}) in this server's "
+                                 f"model, not {shape!r}")
+            if type(offset) is not int or offset != end:
+                raise ValueError(f"weight bucket {index}: {name} must start at {end}, where the one before it ends, "
+                                 f"not at {offset!r}")
+            rows.append([name, list(expected), end])
+            end += math.prod(expected)
+            sent.add(name)
+        if type(bucket.get("numel")) is not int or bucket["numel"] != end:
+            raise ValueError(f"weight bucket {index}: numel must be {end}, the sum of its params, "
+                             f"not {bucket.get('numel')!r}")
+        checked.append({"dtype": bucket["dtype"], "numel": end, "params": rows})
+    return checked
 
 
 @functools.lru_cache(maxsize=1)

@@ -2,19 +2,26 @@
 
 The server owns its devices; the trainer is a client. :class:`VLLMClient` waits for the server
 to answer ``/health`` (up to ``server_timeout`` seconds, then an error naming host and port),
-retries idempotent calls on connection errors, and pushes weights over a side channel: the
-server's engine workers and the trainer form a process group of their own (gloo on CPU, NCCL on
-GPU) and the trainer broadcasts the parameters in flat buckets, never inside an HTTP body.
-The trainer needs no vLLM installed: only the server does.
+gives every other request ``server_request_timeout`` seconds (then an error saying the server
+did not answer), retries idempotent calls on connection errors and any call the server turned
+away at its connection limit (503), and pushes weights over a side channel: the server's engine
+workers and the trainer form a process group of their own (gloo on CPU, NCCL on GPU), keyed under
+a random prefix sent only in the authenticated join request, and the trainer broadcasts the
+parameters in flat buckets, never inside an HTTP body. The trainer needs no vLLM installed.
+
+Every request carries the server's token: ``vllm_server_token``, else the file
+``vllm_server_token_file``, else PLAIT_VLLM_TOKEN, else (for a server on loopback) the file a
+``plait vllm-serve`` on this machine generated for its port (:func:`~._vllm.token_path`).
 
 Config fields (:class:`plait.generation.GenerationChoice`; TRL's names): ``vllm_server_base_url``,
 ``vllm_server_host``, ``vllm_server_port``, ``vllm_server_timeout``, ``vllm_group_port``, and
-plait's ``vllm_server_token`` (or PLAIT_VLLM_TOKEN); ``vllm_structured_outputs_regex`` travels
-with each request's sampling options.
+plait's ``vllm_server_token``, ``vllm_server_token_file`` and ``vllm_server_request_timeout``;
+``vllm_structured_outputs_regex`` travels with each request's sampling options.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -23,7 +30,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any, ClassVar, Sequence
+from http import HTTPStatus
+from typing import Any, ClassVar, Iterator, Sequence
 
 import attrs
 import torch
@@ -35,12 +43,14 @@ from plait.generation import (GenerationBackend, Generations, SamplingParams, ba
                               eos_token_ids)
 from plait.params import positive
 
-from ._vllm import (bucket_layout, materialised, policy_parameters, refuse_transformers_options, send_buckets,
-                    weight_group)
+from ._vllm import (TOKEN_ENV, bucket_layout, is_loopback, materialised, policy_parameters, read_token,
+                    refuse_transformers_options, send_buckets, session_prefix, token_path, weight_group)
 
 NAME = "generation.vllm_server"
-TOKEN_ENV = "PLAIT_VLLM_TOKEN"
 RETRY_DELAYS = (0.5, 1.0, 2.0)  # between tries of an idempotent call
+# Seconds any request may wait for its answer: a generate of a large batch of long completions
+# takes minutes; a server that has not answered in half an hour is hung, and saying so beats waiting.
+REQUEST_TIMEOUT = 1800.0
 
 
 def _port(instance, attribute, value) -> None:
@@ -59,54 +69,109 @@ class VLLMServerParams:
     server_timeout: float = attrs.field(default=240.0, validator=positive)  # seconds to wait for /health
     group_port: int = attrs.field(default=51216, validator=_port)  # the weight-sync store on the server
     server_token: str | None = None
+    server_token_file: str | None = None  # a file holding the token (yours alone: mode 0600)
+    server_request_timeout: float = attrs.field(default=REQUEST_TIMEOUT, validator=positive)  # seconds per request
 
 
 class VLLMClient:
     """A client of ``plait vllm-serve``: health, generate, weight updates, prefix-cache reset."""
 
     def __init__(self, base_url: str | None = None, host: str = "127.0.0.1", port: int = 8000, *,
-                 group_port: int = 51216, token: str | None = None, connection_timeout: float = 240.0):
+                 group_port: int = 51216, token: str | None = None, token_file: str | None = None,
+                 connection_timeout: float = 240.0, request_timeout: float = REQUEST_TIMEOUT):
         self.base_url = (base_url or f"http://{host}:{port}").rstrip("/")
         parsed = urllib.parse.urlsplit(self.base_url)
         self.host, self.port = parsed.hostname or host, parsed.port or port
-        self.group_port, self.connection_timeout = group_port, connection_timeout
-        self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self.group_port, self.connection_timeout, self.request_timeout = group_port, connection_timeout, request_timeout
+        self.token, self.token_file = token, token_file
+        self.local = is_loopback(self.host)  # only then may a token file of this machine's server be sent to it
         self.group = None
         self.rank = None
         self.push_seconds: list[float] = []
         self.max_body_bytes: int | None = None  # the server's, from /health
 
     # -- plumbing -----------------------------------------------------------------------------
+    def credentials(self) -> tuple[str | None, str]:
+        """The token to send and where it came from. Files are read at each request: the server
+        may write its token after this client is made, or restart with a new one."""
+        if self.token:
+            return self.token, "vllm_server_token"
+        if self.token_file:
+            return read_token(self.token_file), f"vllm_server_token_file {self.token_file}"
+        if os.environ.get(TOKEN_ENV):
+            return os.environ[TOKEN_ENV], TOKEN_ENV
+        generated = token_path(self.port)
+        if self.local and generated.exists():
+            return read_token(generated), str(generated)
+        return None, (f"no token: no vllm_server_token, vllm_server_token_file or {TOKEN_ENV}"
+                      + (f", and no {generated}" if self.local else ""))
+
     def _request(self, method: str, route: str, body: Any = None, *, idempotent: bool = True,
-                 timeout: float | None = 600.0) -> dict:
+                 timeout: float | None = None) -> dict:
+        """One call, answered within ``timeout`` seconds (default ``request_timeout``)."""
+        timeout = self.request_timeout if timeout is None else timeout
         data = None if body is None else json.dumps(body).encode()
         if data is not None and self.max_body_bytes is not None and len(data) > self.max_body_bytes:
             # said here: the server refuses such a body unread, and a client still sending sees a reset
             raise PlaitError(f"{method} {route} would send {len(data)} bytes to the vLLM server at {self.base_url}, "
                              f"over its limit of {self.max_body_bytes}; raise it (plait vllm-serve --max-body-bytes) "
                              "or generate from fewer prompts at a time")
+        token, source = self.credentials()
         headers = {"Content-Type": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        delays = RETRY_DELAYS if idempotent else ()
-        for attempt in range(len(delays) + 1):
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        for delay in (*RETRY_DELAYS, None):
             request = urllib.request.Request(self.base_url + route, data=data, headers=headers, method=method)
             try:
                 with urllib.request.urlopen(request, timeout=timeout) as response:
                     return json.loads(response.read() or b"{}")
             except urllib.error.HTTPError as err:
+                if err.code == HTTPStatus.SERVICE_UNAVAILABLE and delay is not None:
+                    time.sleep(delay)  # turned away unread at the connection limit: any call may try again
+                    continue
                 try:
                     message = json.loads(err.read()).get("error", err.reason)
                 except ValueError:
                     message = err.reason
+                sent = f" (this client's token: {source})" if err.code == HTTPStatus.UNAUTHORIZED else ""
                 raise PlaitError(f"vLLM server at {self.base_url} refused {method} {route} "
-                                 f"({err.code}): {message}") from None
+                                 f"({err.code}): {message}{sent}") from None
             except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as err:
                 reason = getattr(err, "reason", err)
-                if attempt == len(delays):
+                if isinstance(reason, TimeoutError):  # busy or hung: trying again would only wait again
+                    raise PlaitError(f"vLLM server at {self.base_url} did not answer {method} {route} within "
+                                     f"{timeout:g} s; it is hung or overloaded (raise vllm_server_request_timeout "
+                                     "if its work takes longer)") from None
+                if not idempotent or delay is None:
                     raise PlaitError(f"vLLM server at {self.base_url} did not answer {method} {route} "
                                      f"({reason}); is `plait vllm-serve` running there?") from None
-                time.sleep(delays[attempt])
+                time.sleep(delay)
+
+    @contextlib.contextmanager
+    def _meanwhile(self, route: str, body: dict) -> Iterator[None]:
+        """POST ``route`` from a thread while the block does this side's part of the side channel;
+        the request's error is raised after the block, ahead of the block's own (the server's
+        refusal says more than a process group that waited in vain)."""
+        errors: list[BaseException] = []
+
+        def post() -> None:
+            try:
+                self._request("POST", route, body, idempotent=False)
+            except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(err)
+
+        posting = threading.Thread(target=post)
+        posting.start()
+        try:
+            yield
+        except Exception:
+            posting.join()
+            if errors:
+                raise errors[0] from None
+            raise
+        posting.join()
+        if errors:
+            raise errors[0]
 
     def health(self, timeout: float = 10.0) -> dict:
         info = self._request("GET", "/health", idempotent=False, timeout=timeout)
@@ -133,7 +198,7 @@ class VLLMClient:
     def generate(self, prompts: Sequence[Any], sampling: SamplingParams, stop_token_ids: Sequence[int] = ()) -> dict:
         body = {"prompts": [list(p) if not isinstance(p, str) else p for p in prompts],
                 "sampling": attrs.asdict(sampling), "stop_token_ids": sorted(int(t) for t in stop_token_ids)}
-        return self._request("POST", "/generate", body, timeout=None)
+        return self._request("POST", "/generate", body)
 
     def reset_prefix_cache(self) -> None:
         self._request("POST", "/reset_prefix_cache", {})
@@ -145,14 +210,11 @@ class VLLMClient:
         if backend == "nccl" and not torch.cuda.is_available():
             raise PlaitError(f"the vLLM server at {self.base_url} syncs weights over NCCL but this trainer has no GPU")
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        reply, joining = {}, threading.Thread(target=lambda: reply.update(self._request(
-            "POST", "/init_communicator", {"port": self.group_port, "timeout": self.connection_timeout},
-            idempotent=False, timeout=None)))
-        joining.start()
-        try:
-            self.group = weight_group(self.host, self.group_port, world - 1, world, backend, self.connection_timeout)
-        finally:
-            joining.join()
+        prefix = session_prefix()  # the store's keys, known only to this authenticated client and the server
+        with self._meanwhile("/init_communicator", {"port": self.group_port, "timeout": self.connection_timeout,
+                                                    "prefix": prefix}):
+            self.group = weight_group(self.host, self.group_port, world - 1, world, backend, self.connection_timeout,
+                                      prefix)
         self.rank = world - 1
 
     def update_weights(self, named: Sequence[tuple[str, torch.Tensor]]) -> float:
@@ -161,22 +223,8 @@ class VLLMClient:
             self.init_weight_group()
         start = time.perf_counter()
         layout = bucket_layout(named)
-        errors: list[BaseException] = []
-
-        def post() -> None:
-            try:
-                self._request("POST", "/update_weights", {"layout": layout}, idempotent=False, timeout=None)
-            except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
-                errors.append(err)
-
-        receiving = threading.Thread(target=post)
-        receiving.start()
-        try:
+        with self._meanwhile("/update_weights", {"layout": layout}):
             send_buckets(self.group, self.rank, layout, named, self.device)
-        finally:
-            receiving.join()
-        if errors:
-            raise errors[0]
         self.push_seconds.append(time.perf_counter() - start)
         return self.push_seconds[-1]
 
@@ -199,7 +247,8 @@ class VLLMServerBackend(GenerationBackend):
             raise PlaitError("the tokenizer has no eos_token and the model's generation_config no eos_token_id; "
                              "set tokenizer.eos_token so completions can end")
         self.client = VLLMClient(p.server_base_url, p.server_host, p.server_port, group_port=p.group_port,
-                                 token=p.server_token, connection_timeout=p.server_timeout)
+                                 token=p.server_token, token_file=p.server_token_file,
+                                 connection_timeout=p.server_timeout, request_timeout=p.server_request_timeout)
         self.started = False
 
     @property
