@@ -294,6 +294,8 @@ class GenerationChoice:
     vllm_server_timeout: float = 240.0
     vllm_group_port: int = 51216
     vllm_server_token: str | None = None
+    vllm_server_token_file: str | None = None  # a 0600 file holding the token (plait vllm-serve --token-file)
+    vllm_server_request_timeout: float = 1800.0  # seconds any one request may take before the server counts as hung
     # tool calling
     max_tool_calling_iterations: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
     # completion logs
