@@ -16,8 +16,8 @@ whose registrations depend on files outside its own folder, or on the environmen
 should decide what it registers in its own folder. Built-ins and third-party plugins are recorded
 the same way; nothing else is asked of a plugin's author.
 
-The records live in one JSON file under ``$PLAIT_CACHE_DIR`` (default ``~/.cache/plait``,
-honouring ``XDG_CACHE_HOME``), written atomically; an unreadable or unwritable cache only
+The records live in one JSON file, ``catalog.json`` in plait's cache folder
+(:func:`plait.paths.cache_dir`), written atomically; an unreadable or unwritable cache only
 means the next listing imports the plugins again.
 """
 
@@ -30,7 +30,6 @@ import importlib.util
 import json
 import os
 import platform
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -38,15 +37,14 @@ import attrs
 
 from .manager import (KINDS, Disabled, Plugins, PluginInfo, _env_flag, import_error_policy, make_plugins,
                       select_entry_points)
+from .paths import cache_dir, write_atomically
 from .registry import Component, Registry
 
 FORMAT = 1  # bump when a record's layout changes
 
 
 def cache_file() -> Path:
-    root = os.environ.get("PLAIT_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "plait")
-    return Path(root) / "catalog.json"
+    return cache_dir("catalog.json")
 
 
 def signature(ep: importlib.metadata.EntryPoint) -> str | None:
@@ -148,8 +146,6 @@ def _write(records: dict[str, Any]) -> None:
     path = cache_file()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
-            json.dump({"format": FORMAT, "records": records}, handle)
-        os.replace(handle.name, path)
+        write_atomically(path, json.dumps({"format": FORMAT, "records": records}))
     except OSError:
         pass  # a read-only home only costs the next listing its speed

@@ -420,27 +420,51 @@ def _identity(value: Any) -> str | None:
     return repr(value)
 
 
+REF_LOGPS_CACHE_MB = 1024  # the bound of the reference log-prob cache by default; PLAIT_REF_LOGPS_CACHE_MB sets it
+
+
+def ref_logps_cache_bytes() -> int:
+    """The reference log-prob cache's bound in bytes: ``$PLAIT_REF_LOGPS_CACHE_MB`` MiB (0: cache nothing)."""
+    given = os.environ.get("PLAIT_REF_LOGPS_CACHE_MB", "").strip()
+    try:
+        megabytes = float(given) if given else REF_LOGPS_CACHE_MB
+    except ValueError:
+        megabytes = -1.0
+    if not megabytes >= 0:
+        raise PlaitError(f"PLAIT_REF_LOGPS_CACHE_MB={given!r} must be a number of MiB >= 0 (0 caches nothing); "
+                         f"unset, it is {REF_LOGPS_CACHE_MB}")
+    return int(megabytes * 2**20)
+
+
 def cached_tensors(depends_on: Mapping[str, Any], compute: Callable[[], dict]) -> dict:
     """``compute()`` once per distinct ``depends_on``: everything the numbers are a function of.
 
     Models count by the content of their weights (:func:`weights_digest`), tokenizers by what they
     save, datasets by their fingerprint, other values by their repr; never by a path, so a model
-    replaced in the same folder computes afresh. Kept as a safetensors file under ``$PLAIT_CACHE``
-    (default ~/.cache/plait), written atomically. When something has no stable identity (weights
-    offloaded to disk) nothing is cached.
+    replaced in the same folder computes afresh. Kept as a safetensors file in ``ref_logps/`` of
+    plait's cache folder (:func:`plait.paths.cache_dir`), written atomically; the folder is kept
+    within :func:`ref_logps_cache_bytes` (1 GiB unless set), the least recently used entries
+    deleted first. When something has no stable identity (weights offloaded to disk) nothing is cached.
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors import SafetensorError
+    from safetensors.torch import load, save
+
+    from .paths import cache_dir, keep_within, read_cached, write_atomically
 
     parts = {name: _identity(value) for name, value in sorted(depends_on.items())}
-    if any(part is None for part in parts.values()):
+    bound = ref_logps_cache_bytes()
+    if bound == 0 or any(part is None for part in parts.values()):
         return compute()
     key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
-    cache = Path(os.environ.get("PLAIT_CACHE", Path.home() / ".cache" / "plait")) / "ref_logps" / f"{key}.safetensors"
-    if cache.exists():
-        return load_file(cache)
+    cache = cache_dir("ref_logps", f"{key}.safetensors")
+    stored = read_cached(cache)
+    if stored is not None:
+        try:
+            return load(stored)
+        except SafetensorError:  # a damaged entry: computed again and replaced
+            pass
     tensors = compute()
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".tmp{os.getpid()}")
-    save_file(tensors, tmp)
-    os.replace(tmp, cache)
+    write_atomically(cache, save(tensors))
+    keep_within(cache.parent, bound)
     return tensors

@@ -273,7 +273,7 @@ def test_a_model_replaced_at_the_same_path_does_not_reuse_cached_reference_logps
     shutil.copytree(tiny_model_path(), folder)
 
     def reference_logps(cache: str = "cache", **overrides) -> torch.Tensor:
-        monkeypatch.setenv("PLAIT_CACHE", str(tmp_path / cache))
+        monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / cache))
         settings = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_length=64,
                         precompute_ref_log_probs=True, report_to="none")
         args = config_class(**{**settings, **overrides})

@@ -6,8 +6,8 @@ initialised 2-layer ``LlamaForCausalLM`` (hidden 64, 2 heads, 1 KV head, head_di
 smallest head_dim vLLM's CPU backend accepts). A Llama config is used on purpose: for
 ``model_type`` qwen2, ``AutoTokenizer`` rebuilds the pre-tokenizer and ids change after reload.
 
-``tiny_model_path()`` builds once per option set into a cache directory (``$PLAIT_CACHE`` or
-``~/.cache/plait``) and returns the folder; concurrent test processes are safe because each
+``tiny_model_path()`` builds once per option set into plait's cache folder
+(:func:`plait.paths.cache_dir`) and returns the folder; concurrent test processes are safe because each
 build happens in a private temporary folder that is renamed into place atomically.
 """
 
@@ -19,6 +19,8 @@ import pathlib
 import random
 import shutil
 import tempfile
+
+from ..paths import cache_dir, honour_umask, umask
 
 # Bump when the output of build_tiny_model changes, so stale caches are not reused.
 BUILDER_VERSION = "2"  # 2: the template renders tools= (a system turn listing their schemas)
@@ -175,10 +177,6 @@ def build_tiny_model(directory, *, seed: int = 0, generation_markers: bool = Tru
     return directory
 
 
-def cache_root() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("PLAIT_CACHE") or pathlib.Path.home() / ".cache" / "plait")
-
-
 def tiny_model_path(generation_markers: bool = True, *, seed: int = 0) -> pathlib.Path:
     """The cached tiny model folder for these options, built on first use (atomic, process-safe)."""
     key = hashlib.sha256(f"{BUILDER_VERSION}|markers={generation_markers}|seed={seed}".encode()).hexdigest()[:12]
@@ -187,8 +185,8 @@ def tiny_model_path(generation_markers: bool = True, *, seed: int = 0) -> pathli
 
 
 def cached_build(name: str, build) -> pathlib.Path:
-    """``cache_root() / name``, made by ``build(folder)`` on first use in a private folder renamed into place."""
-    root = cache_root()
+    """``cache_dir() / name``, made by ``build(folder)`` on first use in a private folder renamed into place."""
+    root = cache_dir()
     final = root / name
     if (final / "config.json").exists():
         return final
@@ -196,6 +194,9 @@ def cached_build(name: str, build) -> pathlib.Path:
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
         build(staging)
+        # mkdtemp's folder is private (0700) and safetensors writes 0600: shared like any new folder of the user
+        staging.chmod(0o777 & ~umask())
+        honour_umask(staging.rglob("*"))
         try:
             os.rename(staging, final)  # atomic; fails if another process got there first
         except OSError:
