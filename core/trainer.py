@@ -11,6 +11,7 @@ the step and the loss part (or, with ``on_nonfinite_loss="skip"``, drops that up
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -18,6 +19,7 @@ import math
 import os
 import shutil
 from collections import defaultdict
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -40,6 +42,7 @@ from .redact import masked
 from .models import (Reference, agree_on_tokens, disable_dropout, load_model, load_tokenizer,
                      refuse_adapters_on_adapters, remote_code, warn_if_half_precision_weights, wrap_peft)
 from .objective import Objective
+from .paths import honour_umask, storage_shortage
 
 logger = logging.getLogger("plait")
 METADATA_FILE = "plait_run.json"
@@ -507,19 +510,39 @@ class PlaitTrainer(Trainer):
         self._get_output_dir = lambda trial: staging_root
         try:
             super()._save_checkpoint(model, trial)
+            self.accelerator.wait_for_everyone()
+            if self.args.should_save:
+                with open(os.path.join(staged, METADATA_FILE), "w") as handle:
+                    json.dump(self.run_metadata(), handle, indent=2)
+        except Exception as err:
+            shortage = storage_shortage(staged, self._checkpoint_bytes())
+            if self.args.should_save:
+                _remove_staging(staged)
+            if shortage is None:
+                raise
+            kept = preflight.latest_checkpoint(run_dir)
+            raise PlaitError(f"step {self.state.global_step}: could not save {name} in {run_dir}: {shortage}; "
+                             f"{'the last good checkpoint ' + kept + ' is kept' if kept else 'no checkpoint is kept'}; "
+                             "free space or lift the limit, then resume") from err
         finally:
             del self._get_output_dir
-        self.accelerator.wait_for_everyone()
         if self.args.should_save:
-            with open(os.path.join(staged, METADATA_FILE), "w") as handle:
-                json.dump(self.run_metadata(), handle, indent=2)
+            honour_umask(Path(staged).rglob("*"))  # safetensors writes its files 0600
             if os.path.exists(final):
                 shutil.rmtree(final)
             os.replace(staged, final)
+            _remove_staging(staged)  # the checkpoint moved out: the emptied .staging goes too
             if self.state.best_model_checkpoint == staged:
                 self.state.best_model_checkpoint = final
             rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
         self.accelerator.wait_for_everyone()
+
+    def _checkpoint_bytes(self) -> int:
+        """About the size of a checkpoint: the weights and the optimizer's state, which dominate it."""
+        tensors = list(self.model.parameters())
+        if self.optimizer is not None:
+            tensors += [t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     # -- exact resume: what a method keeps beyond weights, optimizer, scheduler and RNG ---------
     def resume_state(self) -> dict[str, Any]:
@@ -590,6 +613,9 @@ class PlaitTrainer(Trainer):
         self._refuse_nonfinite_weights(output_dir or self.args.output_dir)  # final save and checkpoints alike
         super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
+        if self.args.should_save:  # safetensors writes its files 0600
+            honour_umask(path for folder in (".", *self.auxiliary_modules())
+                         for path in Path(output_dir, folder).glob("*.safetensors"))
         if self.args.should_save and not _internal_call:
             with open(os.path.join(output_dir, METADATA_FILE), "w") as handle:
                 json.dump(self.run_metadata(), handle, indent=2)
@@ -607,6 +633,13 @@ class PlaitTrainer(Trainer):
 
 
 @functools.cache
+def _remove_staging(staged: str) -> None:
+    """Remove a staged checkpoint folder, and ``.staging`` itself once nothing else is staged there."""
+    shutil.rmtree(staged, ignore_errors=True)
+    with contextlib.suppress(OSError):  # another save still staged there
+        os.rmdir(os.path.dirname(staged))
+
+
 def say_if_large_buffers_unaligned() -> None:
     """Once per process: where torch was not told to page-align its large CPU buffers (a tensor was
     made before plait was imported), say what that costs and how to get it (plait.memory)."""
