@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import sys
+import traceback
 from typing import Any, Callable, Sequence
 
 import attrs
@@ -133,9 +134,23 @@ def method_command(name: str, method=None) -> Command:
     def run(args: argparse.Namespace, plugins: Plugins) -> int:
         from .run import run_method
 
-        return run_method(name, method, args, plugins)
+        try:
+            return run_method(name, method, args, plugins)
+        except SystemExit as exit:  # from plugin code (a loss, a data format, a callback): plait never exits here
+            raise PlaitError(f"{_raiser(exit)} raised SystemExit({exit.code!r}) during 'plait {name}', which would end "
+                             "the run as if it had finished, with no model saved; a plugin must raise an exception "
+                             "instead") from exit
 
     return Command(run, add_arguments, help=f"train with the {name!r} method from a YAML recipe", accepts_extra=True)
+
+
+def _raiser(err: BaseException) -> str:
+    """Where ``err`` was raised: the innermost function of its traceback, with its file and line."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return "plugin code"
+    frame = frames[-1]
+    return f"{frame.name} ({os.path.basename(frame.filename)}:{frame.lineno})"
 
 
 def _unavailable(name: str, command: Command, plugins: Plugins | Catalog) -> Command:

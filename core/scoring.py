@@ -11,8 +11,9 @@ A method (GRPO, RLOO, ...) does four things with this module, and names no concr
   ``[N, K]`` scores with NaN for None; what the functions log through TRL's ``log_extra`` and
   ``log_metric`` lands in a :class:`RewardLogs`. Async functions run concurrently in one event loop. A
   function that raises is called again one example at a time to name the example that fails;
-  one that does not return within ``timeout`` seconds is abandoned (sync functions then run in
-  a worker thread, async ones under :func:`asyncio.wait_for`).
+  one that does not return within ``timeout`` seconds (:data:`REWARD_TIMEOUT` unless set) is
+  abandoned: interrupted by a signal in the main thread, left behind in a worker thread elsewhere,
+  cancelled under :func:`asyncio.wait_for` when async. A reward's ``SystemExit`` is its error.
 * :class:`UnscoredBatches` stops a run whose rewards score nothing, batch after batch.
 * :func:`reward_metrics` gives the logged reward statistics; :func:`resolve_advantage_estimator`
   turns an advantage spec into a callable over :class:`plait.batches.Rollout`.
@@ -31,6 +32,7 @@ import logging
 import math
 import numbers
 import os
+import signal
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
@@ -45,6 +47,9 @@ from .registry import Component, UnknownComponentError
 
 logger = logging.getLogger("plait")
 
+# Seconds a reward call may take unless reward_timeout says otherwise: far beyond any honest reward
+# call on a batch (a model-judge round trip, a sandboxed test run), yet a hang ends in minutes.
+REWARD_TIMEOUT = 300.0
 RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 ON_ERROR = ("fail", "none")
 _SOURCES_HINT = "or give a callable, an import path 'pkg.module:func', or a reward-model folder"
@@ -203,8 +208,28 @@ def _resolve_one(target, values, weight, plugins, processing_class, shared, wher
             raise UnknownComponentError(f"{where}: {unknown}; {_SOURCES_HINT}") from None
         raise PlaitError(f"{where}: cannot use {type(target).__name__} {target!r:.80} as a reward; {_SOURCES_HINT}")
     if not isinstance(found, RewardFunction):
+        _check_interface(found, where)
         found = RewardFunction(reward_name(found), found)
     return found if weight is None else attrs.evolve(found, weight=weight)
+
+
+def _check_interface(fn: Callable, where: str) -> None:
+    """Refuse a callable that cannot take a reward's keyword arguments (any importable function
+    resolves, ``os.system`` too): it needs ``**kwargs``, or a parameter for each of :data:`RESERVED`,
+    and no required parameter it could only get by position."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: the first call will tell
+        return
+    by_keyword = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
+    by_position_only = [p.name for p in parameters if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if (takes_any or by_keyword >= set(RESERVED)) and not by_position_only:
+        return
+    raise PlaitError(
+        f"{where}: {reward_name(fn)}{inspect.signature(fn)} does not take a reward's arguments: plait calls "
+        f"fn({', '.join(f'{name}=...' for name in RESERVED)}, <dataset column>=...); give it **kwargs, "
+        f"e.g. def {reward_name(fn)}(completions, **kwargs)")
 
 
 def reward_weights(funcs: Sequence[RewardFunction], weights: Sequence[float] | None = None) -> Tensor:
@@ -297,6 +322,24 @@ def _event_loop() -> asyncio.AbstractEventLoop:
         return _loop.loop
 
 
+class PluginExit(Exception):
+    """A reward's ``SystemExit``, held as that reward's error: left to propagate it would end the run
+    with exit status 0, no message and no model saved."""
+
+    def __init__(self, exit: SystemExit):
+        super().__init__(f"SystemExit({exit.code!r}) would end the process; a reward must raise an exception instead")
+
+
+class _Overdue(BaseException):
+    """Raised in the main thread when its reward call's deadline passes; not an Exception, so that a
+    reward's own ``except Exception`` does not swallow it."""
+
+
+# Interrupts a sync reward in the main thread at its deadline; not SIGALRM, which math-verify's own
+# timeouts set and cancel inside rewards.
+DEADLINE_SIGNAL = getattr(signal, "SIGUSR2", None)
+
+
 class RewardTimeout(Exception):
     """A reward call that did not return within its deadline (returned by :func:`_invoke`, not raised)."""
 
@@ -306,24 +349,75 @@ class RewardTimeout(Exception):
 
 
 async def _gather(awaitables: list, timeout: float | None) -> list:
+    async def held(awaitable):  # a SystemExit escaping a task would stop the event loop itself
+        try:
+            return await awaitable
+        except SystemExit as exit:
+            return PluginExit(exit)
+
     async def bounded(awaitable):
         try:
-            return await asyncio.wait_for(awaitable, timeout)
+            return await asyncio.wait_for(held(awaitable), timeout)
         except asyncio.TimeoutError:
             return RewardTimeout(timeout)
 
-    bounded_or_not = [a if timeout is None else bounded(a) for a in awaitables]
+    bounded_or_not = [held(a) if timeout is None else bounded(a) for a in awaitables]
     return await asyncio.gather(*bounded_or_not, return_exceptions=True)
 
 
 def _call(fn: Callable, kwargs: dict, timeout: float | None) -> Any:
-    """``fn(**kwargs)``, its exception, or :class:`RewardTimeout`. With a timeout the call runs in a
-    daemon thread, which a hung reward keeps (Python cannot stop a thread) but training does not wait for."""
+    """``fn(**kwargs)``, its exception, or :class:`RewardTimeout`.
+
+    Sync rewards run in this thread (math-verify's own timeouts need the main thread); in the main
+    thread a deadline interrupts them. Elsewhere a timeout runs the call in a daemon thread, which a
+    hung reward keeps (Python cannot stop a thread) but training does not wait for."""
     if timeout is None:
         try:
             return fn(**kwargs)
         except Exception as err:  # noqa: BLE001 - attributed to the reward by the caller
             return err
+        except SystemExit as exit:
+            return PluginExit(exit)
+    if DEADLINE_SIGNAL is not None and threading.current_thread() is threading.main_thread():
+        return _call_with_deadline(fn, kwargs, timeout)
+    return _call_in_worker(fn, kwargs, timeout)
+
+
+def _call_with_deadline(fn: Callable, kwargs: dict, timeout: float) -> Any:
+    """:func:`_call` in the main thread: a watchdog thread signals it at the deadline, and the
+    signal's handler raises :class:`_Overdue` there (a sleep or a socket wait is interrupted too;
+    only a C call that never returns to Python is not)."""
+    done = threading.Event()
+
+    def overdue(signum, frame) -> None:
+        if not done.is_set():  # a signal that arrives after the call returned is ignored
+            raise _Overdue
+
+    def watch(main: int = threading.get_ident()) -> None:
+        if not done.wait(timeout):
+            signal.pthread_kill(main, DEADLINE_SIGNAL)
+
+    previous = signal.signal(DEADLINE_SIGNAL, overdue)
+    watchdog = threading.Thread(target=watch, name=f"plait-reward-deadline-{reward_name(fn)}", daemon=True)
+    watchdog.start()
+    try:
+        try:
+            return fn(**kwargs)
+        finally:
+            done.set()  # from here on the handler raises nothing
+    except _Overdue:
+        return RewardTimeout(timeout)
+    except Exception as err:  # noqa: BLE001 - attributed to the reward by the caller
+        return err
+    except SystemExit as exit:
+        return PluginExit(exit)
+    finally:
+        watchdog.join()
+        signal.signal(DEADLINE_SIGNAL, previous)
+
+
+def _call_in_worker(fn: Callable, kwargs: dict, timeout: float) -> Any:
+    """:func:`_call` off the main thread: in a daemon thread given ``timeout`` seconds."""
     box: dict[str, Any] = {}
     grad = torch.is_grad_enabled()  # grad mode is per thread: keep the caller's (no_grad in a rollout)
 
@@ -340,6 +434,8 @@ def _call(fn: Callable, kwargs: dict, timeout: float | None) -> Any:
     if worker.is_alive():
         return RewardTimeout(timeout)
     if "error" in box:
+        if isinstance(box["error"], SystemExit):
+            return PluginExit(box["error"])
         if not isinstance(box["error"], Exception):
             raise box["error"]
         return box["error"]
@@ -549,10 +645,9 @@ class RewardChoice:
     reward_funcs: Any = None
     reward_weights: list | None = None
     reward_error_policy: str = attrs.field(default="fail", validator=one_of(ON_ERROR))
-    # Seconds one reward call may take before reward_error_policy applies. None (no limit) keeps sync
-    # rewards in the training thread, where math-verify's own per-example timeouts work; a number
-    # runs them in a worker thread with that deadline (async ones under asyncio.wait_for).
-    reward_timeout: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive))
+    # Seconds one reward call may take before reward_error_policy applies (REWARD_TIMEOUT unless set;
+    # None: no limit, TRL's behaviour). A hung judge or sandbox otherwise stalls the run forever.
+    reward_timeout: float | None = attrs.field(default=REWARD_TIMEOUT, validator=attrs.validators.optional(positive))
     # Generation batches in a row where no completion got a score before the run stops.
     max_unscored_batches: int = attrs.field(default=3, validator=int_at_least(1))
 

@@ -172,7 +172,8 @@ def test_an_async_reward_that_blocks_the_event_loop_times_out_and_the_next_batch
     assert compute_rewards([RewardFunction("fine", fine)], **batch).tolist() == [[2.0], [2.0]]
 
 
-def test_without_a_timeout_sync_rewards_run_in_the_calling_thread_and_with_one_in_a_worker_in_the_same_grad_mode():
+def test_sync_rewards_run_in_the_main_thread_with_or_without_a_timeout_and_in_a_worker_elsewhere_in_one_grad_mode():
+    # the main thread keeps math-verify's SIGALRM timeouts working; off it only a worker can be left behind
     seen = []
 
     def where(completions, **kwargs):
@@ -180,12 +181,35 @@ def test_without_a_timeout_sync_rewards_run_in_the_calling_thread_and_with_one_i
         return [0.0] * len(completions)
 
     batch = dict(prompts=["q"], completions=["a"], completion_ids=[[1]])
-    with torch.no_grad():  # as in a rollout
-        compute_rewards([RewardFunction("where", where)], **batch)
-        compute_rewards([RewardFunction("where", where)], timeout=5, **batch)
-    (first, first_grad), (second, second_grad) = seen
-    assert first is threading.current_thread() and second is not threading.current_thread()
-    assert not first_grad and not second_grad
+
+    def score(timeout):
+        with torch.no_grad():  # as in a rollout
+            compute_rewards([RewardFunction("where", where)], timeout=timeout, **batch)
+
+    score(None)
+    score(5)
+    elsewhere = threading.Thread(target=score, args=(5,))
+    elsewhere.start()
+    elsewhere.join()
+    (first, first_grad), (second, second_grad), (third, third_grad) = seen
+    assert first is threading.main_thread() and second is threading.main_thread()
+    assert third not in (threading.main_thread(), elsewhere)
+    assert not first_grad and not second_grad and not third_grad
+
+
+def test_a_hung_reward_in_the_main_thread_is_interrupted_even_when_it_catches_every_exception():
+    def stubborn(completions, **kwargs):
+        try:
+            time.sleep(60)
+        except Exception:  # noqa: BLE001 - what a careless reward does
+            pass
+        return [1.0] * len(completions)
+
+    start = time.monotonic()
+    scores = compute_rewards([RewardFunction("stubborn", stubborn)], prompts=["q"], completions=["a"],
+                             completion_ids=[[1]], timeout=0.5, on_error="none")
+    assert time.monotonic() - start < 3 and scores.isnan().all()
+    assert not [t for t in threading.enumerate() if "stubborn" in t.name]  # nothing left behind
 
 
 @pytest.mark.parametrize("overrides, message", [
