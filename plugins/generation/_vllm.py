@@ -35,6 +35,7 @@ import torch
 
 from plait.errors import PlaitError
 from plait.generation import SamplingParams
+from plait.paths import cache_dir
 
 WORKER_EXTENSION = "plait.plugins.generation._vllm.WorkerExtension"
 BUCKET_BYTES = 512 * 2**20  # weights travel in flat buckets of at most this size
@@ -317,11 +318,10 @@ def is_loopback(host: str) -> bool:
 def token_path(port: int) -> Path:
     """Where ``plait vllm-serve --port PORT`` writes the token it generates, and where clients of
     a loopback server look for it: ``$XDG_RUNTIME_DIR/plait/`` (per user, emptied at logout), else
-    ``${XDG_CACHE_HOME:-~/.cache}/plait/``, as ``vllm-serve-<machine name>-<port>.token`` (the
+    plait's cache folder (:func:`plait.paths.cache_dir`), as ``vllm-serve-<machine name>-<port>.token`` (the
     machine's name keeps servers apart when machines share a home folder)."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    folder = Path(runtime) / "plait" if runtime else Path(cache) / "plait"
+    folder = Path(runtime) / "plait" if runtime else cache_dir()
     return folder / f"vllm-serve-{socket.gethostname()}-{port}.token"
 
 
