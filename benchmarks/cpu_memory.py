@@ -1,10 +1,10 @@
-"""Page-aligned large CPU buffers (plait.memory), per method: peak RSS and s/step on SmolLM2.
+"""Page-aligned large CPU buffers (plait.engine.memory), per method: peak RSS and s/step on SmolLM2.
 
     python benchmarks/cpu_memory.py [--methods sft,dpo,dpo_lora,kto,reward_model,grpo]
         [--lengths 512] [--settings checkpointed] [--steps 2] [--rounds 1]
 
 plait asks torch for page-aligned large buffers when it is imported (``THP_MEM_ALLOC_ENABLE=1``,
-plait.memory); this measures what that does. Each method trains SmolLM2-135M-Instruct with the
+plait.engine.memory); this measures what that does. Each method trains SmolLM2-135M-Instruct with the
 rows, batch and hyperparameters of ``trl_side_by_side.py`` (its worker, plait only, so it runs in
 the main venv), once with ``THP_MEM_ALLOC_ENABLE=0`` (torch's 64-byte alignment: glibc's heap
 fragments) and once with ``=1``, each run a fresh process (peak RSS is the process's own),
@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from trl_side_by_side import METHODS, model_folder, run  # noqa: E402
 
-SWITCH = "THP_MEM_ALLOC_ENABLE"  # plait.memory.TORCH_SWITCH (not imported: it would set the switch here)
+SWITCH = "THP_MEM_ALLOC_ENABLE"  # plait.engine.memory.TORCH_SWITCH (not imported: it would set the switch here)
 
 RESULTS = HERE / "results" / "cpu_memory.json"
 

@@ -1,7 +1,7 @@
 """Data-layer benchmark: preprocessing throughput and packing efficiency.
 
 Generates a dataset with a realistic, long-tailed (log-normal) length spread, tokenises it with
-``plait.data.prepare_dataset`` (standard text and conversational prompt-completion), and packs
+``plait.data.prepare.prepare_dataset`` (standard text and conversational prompt-completion), and packs
 it with bfd, bfd_split and wrapped, against no packing (batches padded to their longest row).
 
     python benchmarks/data_preprocessing.py [--rows 4000] [--max-length 512] [--batch-size 8]
@@ -62,7 +62,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from plait import default_plugins
-    from plait.data import pack_dataset, packing_efficiency, prepare_dataset
+    from plait.data.prepare import pack_dataset, packing_efficiency, prepare_dataset
     from plait.testing.tiny_model import tiny_model_path
 
     datasets.disable_progress_bars()

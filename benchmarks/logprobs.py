@@ -41,7 +41,7 @@ def _setup():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from plait.logprobs import token_logprobs
+    from plait.engine.logprobs import token_logprobs
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -93,7 +93,7 @@ def measure_time() -> dict:
 
 def main() -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
-    from plait.logprobs import default_chunk_size
+    from plait.engine.logprobs import default_chunk_size
 
     def child(*args: str):
         done = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, check=True)

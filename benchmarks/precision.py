@@ -68,7 +68,7 @@ def logprob_error(vocab: int, seq: int, batch: int, layers: int) -> dict:
     import torch
     from accelerate.utils import convert_outputs_to_fp32
 
-    from plait.logprobs import token_logprobs
+    from plait.engine.logprobs import token_logprobs
 
     model, tokenizer, rows = build(vocab, seq, batch, layers)
     ids = torch.tensor([r["prompt_ids"] + r["chosen_ids"] for r in rows])
@@ -96,7 +96,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(time_dpo(args.one == "bf16", *shape, args.steps)))
         return
-    from plait.config import cpu_bf16_support
+    from plait.engine.config import cpu_bf16_support
 
     native, reason = cpu_bf16_support()
     runs = []

@@ -103,7 +103,7 @@ def length_reward(completions, **kwargs):
 
 def worker(spec: dict) -> dict:
     """One run: build the trainer from ``spec['library']`` and time its steps."""
-    library = importlib.import_module(spec["library"])  # first, as a user's script imports it (plait.memory)
+    library = importlib.import_module(spec["library"])  # first, as a user's script imports it (plait.engine.memory)
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -165,7 +165,7 @@ def model_folder(given: str | None) -> str:
 
 def cpu_kind() -> str:
     """The CPU's bf16 units as plait reads them (its precision default follows them), for the record."""
-    from plait.config import cpu_bf16_support
+    from plait.engine.config import cpu_bf16_support
 
     return cpu_bf16_support()[1]
 

@@ -28,7 +28,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from plait.generation import SamplingParams  # noqa: E402
+from plait.online.generation import SamplingParams
 from plait.plugins.generation.transformers_backend import TransformersBackend  # noqa: E402
 from plait.plugins.generation.vllm_colocate import VLLMColocateBackend, VLLMColocateParams  # noqa: E402
 from plait.plugins.generation.vllm_server import VLLMServerBackend, VLLMServerParams  # noqa: E402

@@ -6,12 +6,14 @@ any installed third-party method) are looked up in the method registry on first 
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version as _version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
+from plait.engine.memory import align_large_cpu_buffers
 
 from .errors import PlaitError, PluginLoadError
 from .hookspecs import hookimpl
 from .manager import default_plugins, make_plugins
-from .memory import align_large_cpu_buffers
 from .method import Method
 
 align_large_cpu_buffers()  # none of the above imports torch: this comes before its first CPU tensor, when it reads the switch
@@ -26,7 +28,7 @@ __all__ = ["Method", "PlaitError", "PluginLoadError", "__version__", "default_pl
 
 SCRIPT_ARGS = ("ModelConfig", "ScriptArguments", "DatasetConfig", "DatasetMixtureConfig", "PlaitParser", "TrlParser",
                "get_peft_config", "get_quantization_config", "get_kbit_device_map", "get_dataset")
-# TRL's data utilities and collators (plait.data_utils) and callbacks (plait.callbacks), by TRL's names
+# TRL's data utilities and collators (plait.trl.data_utils) and callbacks (plait.trl.callbacks), by TRL's names
 DATA_UTILS = ("apply_chat_template", "maybe_apply_chat_template", "extract_prompt", "maybe_extract_prompt",
               "unpair_preference_dataset", "maybe_unpair_preference_dataset", "is_conversational", "pack_dataset",
               "truncate_dataset", "clone_chat_template", "is_conversational_from_value", "maybe_convert_to_chatml",
@@ -38,17 +40,17 @@ CALLBACKS = ("LogCompletionsCallback", "SyncRefModelCallback", "RichProgressCall
 
 def __getattr__(name: str):
     if name == "create_reference_model":
-        from .models import create_reference_model
+        from plait.engine.models import create_reference_model
 
         return create_reference_model
     if name in SCRIPT_ARGS:  # TRL's script helpers; imported on first use (they import transformers)
-        from . import script_args
+        from .trl import script_args
 
         return getattr(script_args, name)
     if name in DATA_UTILS or name in CALLBACKS:  # imported on first use, as the script helpers
         from importlib import import_module
 
-        return getattr(import_module(".data_utils" if name in DATA_UTILS else ".callbacks", __name__), name)
+        return getattr(import_module(".trl.data_utils" if name in DATA_UTILS else ".trl.callbacks", __name__), name)
     # DPOConfig, DPOTrainer, ... come from whichever plugin registered the method.
     if name[:1].isupper():
         for component in default_plugins().methods:

@@ -35,8 +35,16 @@ from typing import Any, Iterable
 
 import attrs
 
-from .manager import (KINDS, Disabled, Plugins, PluginInfo, _env_flag, import_error_policy, make_plugins,
-                      select_entry_points)
+from .manager import (
+    KINDS,
+    Disabled,
+    PluginInfo,
+    Plugins,
+    _env_flag,
+    import_error_policy,
+    make_plugins,
+    select_entry_points,
+)
 from .paths import cache_dir, write_atomically
 from .registry import Component, Registry
 

@@ -18,8 +18,8 @@ from typing import Any, Callable, Sequence
 
 import attrs
 
-from .errors import PlaitError
 from .catalog import Catalog, load_catalog
+from .errors import PlaitError
 from .manager import KINDS, Plugins, make_plugins
 
 
@@ -88,7 +88,7 @@ def cmd_env(args: argparse.Namespace, plugins: Plugins | Catalog) -> int:
 
     import torch
 
-    from .config import cpu_bf16_support
+    from plait.engine.config import cpu_bf16_support
 
     info: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform()}
     for dist in ("plait", "torch", "transformers", "accelerate", "peft", "datasets", "pluggy", "attrs",
@@ -123,16 +123,16 @@ LISTINGS = ("plugins", "list", "env")  # commands that only read the registry
 
 
 def method_command(name: str, method=None) -> Command:
-    """``plait <name>`` for a registered method. :mod:`plait.run` (configs, transformers) is imported
+    """``plait <name>`` for a registered method. :mod:`plait.recipes.run` (configs, transformers) is imported
     only when the command is used, so listing commands stays instant."""
 
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        from .run import add_method_arguments
+        from plait.recipes.run import add_method_arguments
 
         add_method_arguments(parser, name, method)
 
     def run(args: argparse.Namespace, plugins: Plugins) -> int:
-        from .run import run_method
+        from plait.recipes.run import run_method
 
         try:
             return run_method(name, method, args, plugins)

@@ -54,7 +54,7 @@ def register_losses(register: Register) -> None:
     ``obj`` is a pure function ``(batch, params) -> Tensor`` returning one loss per example,
     shape ``[B]`` (or a scalar for losses that normalise over tokens, declared with
     ``reduces=True``). ``batch`` is the typed log-prob batch named by ``consumes=`` (see
-    :mod:`plait.batches`); a loss never sees logits or a model. ``params`` is an instance of the
+    :mod:`plait.engine.batches`); a loss never sees logits or a model. ``params`` is an instance of the
     attrs class given as ``params=``, validated at construction.
     """
 
@@ -74,7 +74,7 @@ def register_rewards(register: Register) -> None:
 def register_advantage_estimators(register: Register) -> None:
     """Register advantage estimators by name (``advantage.group``, ``advantage.rloo``, ``advantage.gae``).
 
-    ``obj(rollout, params) -> Tensor``: ``rollout`` is a :class:`plait.batches.Rollout`
+    ``obj(rollout, params) -> Tensor``: ``rollout`` is a :class:`plait.engine.batches.Rollout`
     (per-reward scores ``[N, K]`` with NaN for None, weights, group size, and for token-level
     estimators values and masks); returns advantages ``[N]`` or ``[N, T]``.
     """
@@ -85,7 +85,7 @@ def register_generation_backends(register: Register) -> None:
     """Register generation backends by name (``generation.transformers``, ``generation.vllm_colocate``).
 
     ``obj`` is a factory ``(model, processing_class, args) -> GenerationBackend`` (see
-    :class:`plait.generation.GenerationBackend`): generate from token ids or messages, load new
+    :class:`plait.online.generation.GenerationBackend`): generate from token ids or messages, load new
     weights, and a start/sleep/wake/close lifecycle.
     """
 
@@ -94,7 +94,7 @@ def register_generation_backends(register: Register) -> None:
 def register_data_formats(register: Register) -> None:
     """Register dataset formats by name (``format.preference``, ``format.sharegpt``).
 
-    ``obj`` is a :class:`plait.data.DataFormat`: how to recognise one example and how to
+    ``obj`` is a :class:`plait.data.prepare.DataFormat`: how to recognise one example and how to
     convert it to the canonical columns the methods consume.
     """
 
@@ -134,11 +134,11 @@ def register_environments(register: Register) -> None:
     """Register environments for multi-turn online RL (``env.arithmetic``), and tool-call formats
     (``env.parser.hermes``).
 
-    An environment's ``obj`` is a factory returning a fresh :class:`plait.rollouts.Environment` per
+    An environment's ``obj`` is a factory returning a fresh :class:`plait.online.rollouts.Environment` per
     episode (``obj()``, or ``obj(params)`` with ``params=``): given a dataset row it gives the prompt,
     answers each model turn (tool results, a reply) until the episode ends, and may score it
     (``owns_reward=False`` when it never does). A parser's ``obj(text) -> (content, [ToolCall])``
-    reads the tool calls out of one model turn (see :mod:`plait.tools`).
+    reads the tool calls out of one model turn (see :mod:`plait.online.tools`).
     """
 
 

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the helpers beside this file: smollm2.py
 
-from plait.run import build_trainer, load_recipe  # noqa: E402
+from plait.recipes.run import build_trainer, load_recipe
 
 DATA = HERE / "data" / "demo_preferences.jsonl"
 HELD_OUT = 48  # the last rows of DATA (see examples/data/make_demo_data.py)

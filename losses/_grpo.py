@@ -1,7 +1,7 @@
 """Pieces the ``grpo.*`` loss types share: importance ratios, the clipped surrogate, the k3 KL
 and the normalisations of Σ L·mask. Not a plugin (underscore): each loss type is its own module.
 
-Every function takes a :class:`plait.batches.PolicyTokens`; per-token terms are ``[B, T]`` (or
+Every function takes a :class:`plait.engine.batches.PolicyTokens`; per-token terms are ``[B, T]`` (or
 ``[B, 1]`` at sequence level, broadcast over tokens). Shapes and symbols follow the GRPO table
 of the reference semantics: ρ = π/π_old, A the advantage, m the mask.
 """
@@ -12,7 +12,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from plait.batches import PolicyTokens
+from plait.engine.batches import PolicyTokens
 from plait.errors import PlaitError
 from plait.params import finite, in_range, non_negative, positive
 

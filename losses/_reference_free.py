@@ -1,6 +1,6 @@
 """What the reference-free preference losses (ORPO, CPO, SimPO, AlphaPO) share.
 
-They read the policy's own log-probs in a :class:`plait.batches.PreferenceLogps`, never the
+They read the policy's own log-probs in a :class:`plait.engine.batches.PreferenceLogps`, never the
 reference's: ℓ = log π(y|x), summed over the completion or averaged per token (ā = ℓ/|y|).
 Each registers ``metrics=`` (what TRL 1.16 logs for it, per pair), which the method averages.
 """
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from plait.batches import PreferenceLogps
+from plait.engine.batches import PreferenceLogps
 
 
 def policy_logps(batch: PreferenceLogps, averaged: bool) -> tuple[Tensor, Tensor]:

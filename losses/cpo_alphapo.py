@@ -17,7 +17,7 @@ from functools import partial
 import attrs
 
 from plait import hookimpl
-from plait.batches import PreferenceLogps
+from plait.engine.batches import PreferenceLogps
 from plait.params import finite
 
 from ._reference_free import reward_metrics

@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from plait import hookimpl
-from plait.batches import PreferenceLogps
+from plait.engine.batches import PreferenceLogps
 from plait.params import finite, positive
 
 from ._reference_free import reward_metrics, shaped_logps

@@ -16,7 +16,7 @@ from functools import partial
 import attrs
 
 from plait import hookimpl
-from plait.batches import PreferenceLogps
+from plait.engine.batches import PreferenceLogps
 from plait.params import finite, in_range, positive
 
 from ._reference_free import reward_metrics, shaped_logps, smoothed_sigmoid_loss

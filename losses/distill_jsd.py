@@ -10,7 +10,7 @@ position (both at the method's temperature) and the mixture m = (1 − β)·p_s 
 
 The end points are the two KLs themselves (the mixture formula vanishes there). log m is a
 logsumexp of log-probs, so near one-hot distributions stay finite. Typical β: 0.5 (GKD's JSD),
-1.0 for on-policy reverse-KL distillation. Input: a :class:`~plait.batches.TokenDistributions`
+1.0 for on-policy reverse-KL distillation. Input: a :class:`~plait.engine.batches.TokenDistributions`
 of N positions × V tokens; returns one divergence per position, ``[N]``, in float32.
 """
 
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from plait import hookimpl
-from plait.batches import TokenDistributions
+from plait.engine.batches import TokenDistributions
 from plait.params import in_range
 
 

@@ -14,7 +14,7 @@ import attrs
 import torch.nn.functional as F
 
 from plait import hookimpl
-from plait.batches import PreferenceLogps
+from plait.engine.batches import PreferenceLogps
 from plait.params import in_range, positive
 
 

@@ -13,7 +13,7 @@ no f-divergence applies (f-DPO's β·log Z(x) cancels only in a chosen − rejec
 import attrs
 
 from plait import hookimpl
-from plait.batches import PreferenceLogps
+from plait.engine.batches import PreferenceLogps
 from plait.params import positive
 
 

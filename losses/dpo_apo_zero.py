@@ -13,7 +13,7 @@ stronger model). Uses raw log-ratios (no f-divergence); β typically 0.05–0.5.
 import attrs
 
 from plait import hookimpl
-from plait.batches import PreferenceLogps
+from plait.engine.batches import PreferenceLogps
 from plait.params import positive
 
 

@@ -14,7 +14,7 @@ falling while the margin grows. It has no β and takes no parameters.
 """
 
 from plait import hookimpl
-from plait.batches import PreferenceLogps
+from plait.engine.batches import PreferenceLogps
 
 
 def dpo_sft(batch: PreferenceLogps, params: None):

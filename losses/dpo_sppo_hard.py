@@ -14,7 +14,7 @@ loser, so the chosen likelihood is raised in absolute terms; β is typically 0.0
 import attrs
 
 from plait import hookimpl
-from plait.batches import PreferenceLogps
+from plait.engine.batches import PreferenceLogps
 from plait.params import positive
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from plait import hookimpl
-from plait.batches import PolicyTokens
+from plait.engine.batches import PolicyTokens
 from plait.params import finite, non_negative
 
 from ._grpo import entropy_sum, in_unit_interval

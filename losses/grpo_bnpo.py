@@ -9,7 +9,7 @@ which ``dapo`` fixes by counting the whole generation batch. Returns a scalar.
 """
 
 from plait import hookimpl
-from plait.batches import PolicyTokens
+from plait.engine.batches import PolicyTokens
 
 from ._grpo import ClipParams, clipped_surrogate, micro_batch_token_mean, regularise
 

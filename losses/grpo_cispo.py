@@ -12,7 +12,7 @@ is the cap (ScaleRL uses 5.0). Normalised as ``dapo``. Returns a scalar.
 import torch
 
 from plait import hookimpl
-from plait.batches import PolicyTokens
+from plait.engine.batches import PolicyTokens
 
 from ._grpo import ClipParams, generation_token_mean, log_ratio, regularise
 

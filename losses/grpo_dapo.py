@@ -10,7 +10,7 @@ it with a decoupled clip (``epsilon_high`` = 0.28). Returns a scalar.
 """
 
 from plait import hookimpl
-from plait.batches import PolicyTokens
+from plait.engine.batches import PolicyTokens
 
 from ._grpo import ClipParams, clipped_surrogate, generation_token_mean, regularise
 

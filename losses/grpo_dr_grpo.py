@@ -10,7 +10,7 @@ Returns a scalar.
 """
 
 from plait import hookimpl
-from plait.batches import PolicyTokens
+from plait.engine.batches import PolicyTokens
 
 from ._grpo import ClipParams, clipped_surrogate, constant_length, regularise
 

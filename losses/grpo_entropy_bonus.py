@@ -14,7 +14,7 @@ Compose it with any ``grpo.*`` loss. Returns a scalar.
 import attrs
 
 from plait import hookimpl
-from plait.batches import PolicyTokens
+from plait.engine.batches import PolicyTokens
 
 from ._grpo import in_unit_interval, mean_entropy
 

@@ -10,7 +10,7 @@ than one of a short completion (the length bias Dr. GRPO and DAPO remove). Retur
 """
 
 from plait import hookimpl
-from plait.batches import PolicyTokens
+from plait.engine.batches import PolicyTokens
 
 from ._grpo import ClipParams, clipped_surrogate, regularise, sequence_mean
 

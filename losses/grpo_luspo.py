@@ -17,7 +17,7 @@ import logging
 import attrs
 
 from plait import hookimpl
-from plait.batches import PolicyTokens
+from plait.engine.batches import PolicyTokens
 
 from ._grpo import ClipParams, clipped_surrogate, length_weighted_sequence_mean, regularise
 

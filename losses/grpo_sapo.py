@@ -13,7 +13,7 @@ import attrs
 import torch
 
 from plait import hookimpl
-from plait.batches import PolicyTokens
+from plait.engine.batches import PolicyTokens
 from plait.params import positive
 
 from ._grpo import ClipParams, log_ratio, regularise, sequence_mean

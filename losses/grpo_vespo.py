@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from plait import hookimpl
-from plait.batches import PolicyTokens
+from plait.engine.batches import PolicyTokens
 from plait.params import non_negative, positive
 
 from ._grpo import ClipParams, generation_token_mean, regularise, sequence_log_ratio

@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from plait import hookimpl
-from plait.batches import UnpairedLogps
+from plait.engine.batches import UnpairedLogps
 from plait.params import non_negative, positive
 
 

@@ -11,7 +11,7 @@ NLL of the chosen completions, ``dpo.sft``'s value. Every pair gets the same val
 """
 
 from plait import hookimpl
-from plait.batches import PreferenceLogps
+from plait.engine.batches import PreferenceLogps
 
 
 def orpo_nll(batch: PreferenceLogps, params: None):

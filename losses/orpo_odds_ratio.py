@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from plait import hookimpl
-from plait.batches import PreferenceLogps
+from plait.engine.batches import PreferenceLogps
 from plait.params import positive
 
 from ._reference_free import policy_logps, reward_metrics

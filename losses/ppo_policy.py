@@ -6,7 +6,7 @@ Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7, written 
 
 ε = cliprange (0.2). The max keeps the pessimistic branch, so a step gains nothing from moving
 ρ beyond the clip range in the direction the advantage favours. Input: a
-:class:`~plait.batches.PolicyTokens` with per-token advantages (GAE) or one per sequence;
+:class:`~plait.engine.batches.PolicyTokens` with per-token advantages (GAE) or one per sequence;
 returns ``[B, T]``, which the method averages over the completion tokens of its minibatch.
 """
 
@@ -14,7 +14,7 @@ import attrs
 import torch
 
 from plait import hookimpl
-from plait.batches import PolicyTokens
+from plait.engine.batches import PolicyTokens
 from plait.params import positive
 
 

@@ -8,14 +8,14 @@ detail 9): with value estimates V_t, their rollout-time values V_old,t and targe
 
 ε_v = cliprange_value (0.2). Like the policy clip, the max means the critic gains nothing from
 moving further than ε_v from its rollout-time estimate. Input: a
-:class:`~plait.batches.ValueTokens`; returns ``[B, T]``, averaged by the method over completion tokens.
+:class:`~plait.engine.batches.ValueTokens`; returns ``[B, T]``, averaged by the method over completion tokens.
 """
 
 import attrs
 import torch
 
 from plait import hookimpl
-from plait.batches import ValueTokens
+from plait.engine.batches import ValueTokens
 from plait.params import positive
 
 

@@ -15,7 +15,7 @@ import attrs
 import torch.nn.functional as F
 
 from plait import hookimpl
-from plait.batches import PairwiseRewards
+from plait.engine.batches import PairwiseRewards
 from plait.params import non_negative
 
 

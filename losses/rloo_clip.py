@@ -15,8 +15,7 @@ import attrs
 import torch
 
 from plait import hookimpl
-from plait.batches import PolicyTokens, masked_mean
-
+from plait.engine.batches import PolicyTokens, masked_mean
 from plait.params import positive
 
 from ._grpo import _optional_positive, sequence_log_ratio

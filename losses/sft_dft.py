@@ -11,7 +11,7 @@ Returns ``[B, T]``; the objective does the masked reduction.
 """
 
 from plait import hookimpl
-from plait.batches import TokenLogps
+from plait.engine.batches import TokenLogps
 
 
 def sft_dft(batch: TokenLogps, params: None):

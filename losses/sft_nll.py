@@ -9,7 +9,7 @@ assistant tokens), per micro-batch or over the global token count.
 """
 
 from plait import hookimpl
-from plait.batches import TokenLogps
+from plait.engine.batches import TokenLogps
 
 
 def sft_nll(batch: TokenLogps, params: None):

@@ -72,7 +72,7 @@ def judge(solution: Any, text: str, reward: str, latex_only: bool = False) -> tu
 def column_of(kwargs: dict, column: str, reward: str) -> list:
     """The dataset column a reward reads (``solution``), or a one-line error naming it."""
     if column not in kwargs:
-        from plait.scoring import RESERVED  # the arguments every reward receives, which are not columns
+        from plait.online.scoring import RESERVED
 
         extra = sorted(k for k in kwargs if k not in RESERVED)
         raise PlaitError(

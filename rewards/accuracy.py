@@ -15,7 +15,7 @@ from __future__ import annotations
 import attrs
 
 from plait import hookimpl
-from plait.scoring import completion_text
+from plait.online.scoring import completion_text
 
 from ._math import NoParameters, checked_when_resolved, column_of, judge, log_judgements, require_math_verify
 

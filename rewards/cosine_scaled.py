@@ -25,8 +25,8 @@ import math
 import attrs
 
 from plait import hookimpl
+from plait.online.scoring import completion_text
 from plait.params import finite
-from plait.scoring import completion_text
 
 from ._math import accuracy_of, column_of, require_math_verify
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import attrs
 
 from plait import hookimpl
-from plait.scoring import completion_text
+from plait.online.scoring import completion_text
 
 
 def _ngram(instance, attribute, value) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import attrs
 
 from plait import hookimpl
-from plait.scoring import completion_text
+from plait.online.scoring import completion_text
 
 OPEN, CLOSE = "<think>", "</think>"
 

@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PLAIT_CACHE_DIR", tempfile.mkdtemp(prefix="plait-test-cache-"))
 
 # The suite's numbers and learning thresholds hold at fp32; plait picks bf16 autocast by default
-# on a CPU with AVX-512 BF16 (plait.config.cpu_bf16_support), so on such a machine every default-
+# on a CPU with AVX-512 BF16 (plait.engine.config.cpu_bf16_support), so on such a machine every default-
 # precision test would run another precision. Torch's kernels at AVX2 (its own switch, read when
 # torch loads, inherited by every subprocess) keep the default fp32 on any x86 box; bf16 itself is
 # tested with bf16=True (test_precision.py, test_logprobs.py).

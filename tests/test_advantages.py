@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from plait import make_plugins
-from plait.batches import Rollout
+from plait.engine.batches import Rollout
 from plait.errors import PlaitError
-from plait.scoring import resolve_advantage_estimator
+from plait.online.scoring import resolve_advantage_estimator
 from plait.testing.strategies import rollouts
 
 NAN = math.nan

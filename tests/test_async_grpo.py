@@ -17,9 +17,9 @@ from accelerate.utils import extract_model_from_parallel
 
 import plait
 from plait import hookimpl
+from plait.engine.logprobs import token_logprobs
 from plait.errors import PlaitError
-from plait.generation import GenerationBackend
-from plait.logprobs import token_logprobs
+from plait.online.generation import GenerationBackend
 from plait.plugins.generation.transformers_backend import TransformersBackend
 from plait.plugins.methods.async_grpo import ThreadWorker, _sampled_logprobs
 from plait.testing.tiny_model import tiny_model_path

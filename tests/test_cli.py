@@ -196,8 +196,8 @@ def test_console_script_checks_an_online_recipe(method, tmp_path):
 
 
 def test_a_method_whose_validate_needs_init_is_named_in_one_line(capsys, tmp_path):
-    from plait.config import method_config
-    from plait.trainer import PlaitTrainer
+    from plait.engine.config import method_config
+    from plait.engine.trainer import PlaitTrainer
 
     @attrs.define
     class Params:
@@ -224,7 +224,7 @@ def test_a_method_whose_validate_needs_init_is_named_in_one_line(capsys, tmp_pat
 
 @pytest.mark.slow  # two processes: ~50 s on 2 busy cores
 def test_relaunched_processes_never_import_from_the_working_directory(tmp_path, monkeypatch, capfd):
-    from plait.launch import launch
+    from plait.recipes.launch import launch
 
     # `python -m` puts the working directory first on sys.path: this pluggy.py used to run in every process
     (tmp_path / "pluggy.py").write_text("import pathlib, os\n"
@@ -240,7 +240,7 @@ def test_relaunched_processes_never_import_from_the_working_directory(tmp_path, 
 def test_check_reads_a_reward_model_folder_without_loading_its_weights(tmp_path, capsys):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from plait.scoring import resolve_reward_funcs
+    from plait.online.scoring import resolve_reward_funcs
 
     good, broken = tmp_path / "rm", tmp_path / "rm-broken"
     for folder in (good, broken):

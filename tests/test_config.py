@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import TrainingArguments
 
-from plait.config import build_method_config, cpu_bf16_support, load_run_config, method_config, yaml_load
+from plait.engine.config import build_method_config, cpu_bf16_support, load_run_config, method_config, yaml_load
 from plait.errors import PlaitError
 from plait.params import positive
 

@@ -19,11 +19,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plait import hookimpl, make_plugins
-from plait.batches import PreferenceLogps, Rollout, TokenLogps, UnpairedLogps
+from plait.engine.batches import PreferenceLogps, Rollout, TokenLogps, UnpairedLogps
 from plait.params import positive
 from plait.testing import (
-    ContractViolation, check_advantage_estimator, check_component, check_loss, check_reward, describe,
-    preference_logps, rollouts, take, token_logps, unpaired_logps,
+    ContractViolation,
+    check_advantage_estimator,
+    check_component,
+    check_loss,
+    check_reward,
+    describe,
+    preference_logps,
+    rollouts,
+    take,
+    token_logps,
+    unpaired_logps,
 )
 from plait.testing.contracts import CHECKS
 from plait.testing.tiny_model import tiny_model_path
@@ -53,7 +62,7 @@ ARTIFACTS = {"reward.prm": lambda root: {"model": tiny_prm_folder(root)}}
 
 
 def _reference_detached_by_batches() -> bool:
-    """Whether plait.batches' log-ratio properties cut the gradient into the reference log-probs."""
+    """Whether plait.engine.batches' log-ratio properties cut the gradient into the reference log-probs."""
     ref = torch.zeros(1, requires_grad=True)
     batch = PreferenceLogps(torch.zeros(1), torch.zeros(1), ref, torch.zeros(1), torch.ones(1), torch.ones(1))
     return not batch.chosen_logratios.requires_grad
@@ -142,7 +151,7 @@ def test_nan_at_large_margins_is_caught():
 
 @attrs.frozen
 class RawPreferences:
-    """A third party's batch class that, unlike plait.batches, does not detach its reference."""
+    """A third party's batch class that, unlike plait.engine.batches, does not detach its reference."""
 
     chosen_logps: torch.Tensor
     rejected_logps: torch.Tensor
@@ -168,7 +177,7 @@ def test_a_gradient_into_the_reference_is_caught():
 
 
 def test_plait_batches_keep_gradients_out_of_the_reference():
-    # plait.batches detaches reference log-probs itself, so no plait loss can leak into them.
+    # plait.engine.batches detaches reference log-probs itself, so no plait loss can leak into them.
     assert _reference_detached_by_batches()
     assert "no gradient into the reference" in check_loss("dpo.leaky", plugins_with(leaky=(leaky, {"params": Beta})),
                                                            max_examples=15)

@@ -6,12 +6,13 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from plait import PlaitError
-from plait import chat
-from plait.data import prepare_dataset
+from plait.data import chat
+from plait.data.prepare import prepare_dataset
 from plait.testing.tiny_model import chat_template, tiny_model_path
 
 MARKED = AutoTokenizer.from_pretrained(tiny_model_path())

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from plait import PlaitError, make_plugins
-from plait.data import detect_format, is_conversational_example, prepare_dataset
+from plait.data.prepare import detect_format, is_conversational_example, prepare_dataset
 from plait.testing.tiny_model import tiny_model_path
 
 

@@ -9,10 +9,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import datasets
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from plait import PlaitError, make_plugins
-from plait.data import pack_dataset
+from plait.data.prepare import pack_dataset
 
 PLUGINS = make_plugins()
 STRATEGIES = PLUGINS.packing_strategies

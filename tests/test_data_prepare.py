@@ -7,11 +7,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import datasets
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from plait import chat, make_plugins
-from plait.data import TASKS, Encoder, prepare_dataset
+from plait import make_plugins
+from plait.data import chat
+from plait.data.prepare import TASKS, Encoder, prepare_dataset
 from plait.testing.tiny_model import tiny_model_path
 
 TOK = AutoTokenizer.from_pretrained(tiny_model_path())

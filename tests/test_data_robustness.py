@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from plait import PlaitError
-from plait.data import prepare_dataset
+from plait.data.prepare import prepare_dataset
 from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
 from plait.plugins.methods.kto import KTOConfig, KTOTrainer
 from plait.plugins.methods.reward_model import RewardConfig, RewardTrainer

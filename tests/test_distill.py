@@ -13,17 +13,18 @@ import pytest
 import torch
 import yaml
 from datasets import Dataset
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from plait import PlaitError, hookimpl, make_plugins
-from plait.batches import TokenDistributions
 from plait.cli import main
-from plait.generation import GenerationBackend, Generations
-from plait.logprobs import compare_distributions, token_logprobs
+from plait.engine.batches import TokenDistributions
+from plait.engine.logprobs import compare_distributions, token_logprobs
 from plait.losses.distill_jsd import JSDParams, distill_jsd
+from plait.online.generation import GenerationBackend, Generations
 from plait.plugins.methods.distill import DistillConfig, DistillTrainer
 from plait.testing import check_loss
 from plait.testing.tiny_model import build_tiny_model, noisy_tiny_model, tiny_model_path

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from plait.batches import PreferenceLogps
-from plait.divergences import DIVERGENCES, f_divergence
+from plait.engine.batches import PreferenceLogps
+from plait.engine.divergences import DIVERGENCES, f_divergence
 from plait.errors import PlaitError
 
 R = [-2.0, -0.5, 0.0, 0.7, 3.0]

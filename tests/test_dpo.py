@@ -7,8 +7,8 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
 from plait import PlaitError
+from plait.engine.logprobs import token_logprobs
 from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
-from plait.logprobs import token_logprobs
 from plait.testing.tiny_model import tiny_model_path
 
 WORDS = ["apple", "river", "stone", "cloud", "music", "garden", "window", "paper", "market", "forest",

@@ -9,11 +9,11 @@ import pytest
 import plait
 from plait.errors import PlaitError
 from plait.manager import make_plugins
+from plait.online.rollouts import Environment, Step
+from plait.online.tools import ToolCall
 from plait.plugins.environments.arithmetic import ArithmeticEnvironment, ArithmeticParams, correct_answer
-from plait.rollouts import Environment, Step
 from plait.testing import ContractViolation, check_environment
 from plait.testing.tool_model import QUESTION
-from plait.tools import ToolCall
 
 QUESTION_ROW = {"prompt": [{"role": "user", "content": QUESTION}], "answer": 7}
 

@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from plait import make_plugins
-from plait.batches import PreferenceLogps
+from plait.engine.batches import PreferenceLogps
+from plait.engine.objective import Objective, normalise_loss_specs
 from plait.errors import PlaitError
-from plait.objective import Objective, normalise_loss_specs
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "plait-example-plugin"

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from plait.errors import PlaitError
-from plait.launch import launch_command
+from plait.recipes.launch import launch_command
 from plait.testing.tiny_model import tiny_model_path
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,12 +4,13 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from plait import PlaitError, make_plugins
-from plait.batches import Rollout
+from plait.engine.batches import Rollout
+from plait.online.scoring import resolve_advantage_estimator
 from plait.plugins.advantages.gae import GAEParams, gae_advantage
-from plait.scoring import resolve_advantage_estimator
 from plait.testing import check_advantage_estimator
 
 FEW = settings(max_examples=25, deadline=None)

@@ -5,8 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from plait.errors import PlaitError
-from plait.generation import GenerationBackend, SamplingParams, encode_prompts
 from plait.manager import make_plugins
+from plait.online.generation import GenerationBackend, SamplingParams, encode_prompts
 from plait.testing.tiny_model import tiny_model_path
 
 CHAT = [{"role": "user", "content": "What is 7 plus 5?"}]

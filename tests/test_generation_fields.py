@@ -1,5 +1,5 @@
 """TRL 1.16's generation and rollout fields of GRPOConfig, RLOOConfig and DistillationConfig, each
-with its meaning: one mixin (plait.generation.GenerationChoice) shared by GRPO, RLOO, distillation
+with its meaning: one mixin (plait.online.generation.GenerationChoice) shared by GRPO, RLOO, distillation
 and PPO. The backend choice and the vLLM options are checked through the backends' own checks (no
 vLLM needed); sampling options on the real transformers backend and the tiny model."""
 
@@ -20,14 +20,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import plait
 from plait import hookimpl, make_plugins
 from plait.errors import PlaitError
-from plait.generation import GenerationBackend, SamplingParams, padding_multiple
-from plait.importance_sampling import importance_weights
 from plait.manager import default_plugins
-from plait.online import pack, split_rows
+from plait.online.generation import GenerationBackend, SamplingParams, padding_multiple
+from plait.online.importance_sampling import importance_weights
+from plait.online.trainer import pack, split_rows
 from plait.plugins.generation import transformers_backend, vllm_colocate, vllm_server
 from plait.plugins.generation._vllm import vllm_sampling
 from plait.plugins.methods.distill import DistillConfig, DistillTrainer
-from plait.run import load_recipe, method_args
+from plait.recipes.run import load_recipe, method_args
 from plait.testing.tiny_model import chat_template, tiny_model_path
 
 ROOT = Path(__file__).resolve().parents[1]

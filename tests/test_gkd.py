@@ -15,9 +15,9 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from plait import PlaitError, make_plugins
-from plait.batches import TokenDistributions
+from plait.engine.batches import TokenDistributions
 from plait.losses.distill_jsd import JSDParams, distill_jsd
-from plait.online import pack
+from plait.online.trainer import pack
 from plait.plugins.methods.gkd import GKDConfig, GKDTrainer
 from plait.testing.tiny_model import noisy_tiny_model, tiny_model_path
 

@@ -69,7 +69,7 @@ def test_default_is_on_for_every_method(tmp_path):
 
 def test_either_name_turns_it_off_on_every_transformers_version_and_warns_nothing(tmp_path):
     """transformers 5.19 knows only ``gradient_checkpointing``, 5.20+ calls it ``activation_checkpointing``
-    (the old name deprecated): plait's configs take both names on both (plait.versions), silently."""
+    (the old name deprecated): plait's configs take both names on both (plait.engine.versions), silently."""
     import warnings
 
     with warnings.catch_warnings():
@@ -87,14 +87,14 @@ def test_either_name_turns_it_off_on_every_transformers_version_and_warns_nothin
     assert "context_fn" in on.gradient_checkpointing_kwargs
 
 
-# -- the recompute keeps attention's output (plait.checkpointing) --------------------------------------------
+# -- the recompute keeps attention's output (plait.engine.checkpointing) --------------------------------------------
 def attention_kernel_calls_and_grads(context_fn) -> tuple[int, dict[str, torch.Tensor]]:
     """One forward and backward of the tiny model with every layer checkpointed under ``context_fn``
     (None: no checkpointing): how often a fused attention kernel ran, and the gradients."""
     from transformers import AutoModelForCausalLM
 
-    from plait.checkpointing import ATTENTION_KERNELS
-    from plait.logprobs import token_logprobs
+    from plait.engine.checkpointing import ATTENTION_KERNELS
+    from plait.engine.logprobs import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path()), attn_implementation="sdpa").train()
     if context_fn is not None:
@@ -117,7 +117,7 @@ def attention_kernel_calls_and_grads(context_fn) -> tuple[int, dict[str, torch.T
 def test_the_recompute_reuses_attention_and_the_gradients_are_unchanged():
     from torch.utils.checkpoint import noop_context_fn
 
-    from plait.checkpointing import keep_attention
+    from plait.engine.checkpointing import keep_attention
 
     layers = AutoConfig.from_pretrained(str(tiny_model_path())).num_hidden_layers
     plain_calls, plain = attention_kernel_calls_and_grads(None)
@@ -131,14 +131,14 @@ def test_the_recompute_reuses_attention_and_the_gradients_are_unchanged():
 def test_default_kwargs_keep_attention_and_the_users_choice_stands(tmp_path):
     from torch.utils.checkpoint import noop_context_fn
 
-    from plait.checkpointing import keep_attention
+    from plait.engine.checkpointing import keep_attention
     from plait.errors import PlaitError
 
     config = lambda **kw: SFTConfig(output_dir=str(tmp_path), report_to="none", **kw)  # noqa: E731
     default = config()
     assert default.activation_checkpointing_kwargs == {"use_reentrant": False, "context_fn": keep_attention}
     assert default.gradient_checkpointing_kwargs is default.activation_checkpointing_kwargs
-    assert default.to_dict()["activation_checkpointing_kwargs"]["context_fn"] == "plait.checkpointing:keep_attention"
+    assert default.to_dict()["activation_checkpointing_kwargs"]["context_fn"] == "plait.engine.checkpointing:keep_attention"
     # the logged form builds the same run (a recipe names functions by import path)
     again = config(activation_checkpointing_kwargs=default.to_dict()["activation_checkpointing_kwargs"])
     assert again.activation_checkpointing_kwargs["context_fn"] is keep_attention

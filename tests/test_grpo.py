@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 import plait
 from plait.errors import PlaitError
-from plait.online import GenerationSizes, GroupSampler, generation_sizes, importance_weights
+from plait.online.trainer import GenerationSizes, GroupSampler, generation_sizes, importance_weights
 from plait.testing.tiny_model import tiny_model_path
 
 PROMPTS = [{"prompt": p} for p in ("The river", "A good answer", "What is 7 plus 5?", "Python is",
@@ -218,7 +218,7 @@ def test_peft_reference_is_the_policy_with_adapters_off():
     # the reference still computes the base model's log-probs after training moved the adapters
     rows = t.data_collator([t.train_dataset[i] for i in range(4)])
     ids, mask = rows["input_ids"], rows["attention_mask"]
-    from plait.logprobs import token_logprobs
+    from plait.engine.logprobs import token_logprobs
 
     ref = t.reference(t.model, lambda m: token_logprobs(m, ids, mask).logps)
     base_model = AutoModelForCausalLM.from_pretrained(tiny_model_path())

@@ -15,15 +15,16 @@ import math
 import pytest
 import torch
 from test_grpo_losses import MASK, losses  # noqa: F401  (losses: the registry fixture)
-from test_grpo_losses import batch as losses_batch, loss as losses_loss
+from test_grpo_losses import batch as losses_batch
+from test_grpo_losses import loss as losses_loss
 from test_resume import StopAt, assert_same_run, low_tokens, prompts
 from transformers import AutoModelForCausalLM
 
 import plait
-from plait.batches import PolicyTokens
+from plait.engine.batches import PolicyTokens
+from plait.engine.logprobs import token_logprobs
+from plait.engine.objective import Objective
 from plait.errors import PlaitError
-from plait.logprobs import token_logprobs
-from plait.objective import Objective
 from plait.testing.tiny_model import tiny_model_path
 
 # test_grpo_losses's batch, whose clipped surrogate −min(ρA, clip(ρ, 0.8, 1.2)A) is row 0: [−1.2, −0.9],

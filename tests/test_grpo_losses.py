@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from plait.batches import PolicyTokens
+from plait.engine.batches import PolicyTokens
 from plait.errors import PlaitError
 from plait.manager import make_plugins
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from plait.engine.run_folder import is_complete_checkpoint
 from plait.errors import PlaitError
-from plait.preflight import is_complete_checkpoint
-from plait.scoring import REWARD_TIMEOUT, RewardChoice, resolve_reward_funcs
+from plait.online.scoring import REWARD_TIMEOUT, RewardChoice, resolve_reward_funcs
 from plait.testing.tiny_model import tiny_model_path
 
 PLAIT = Path(sys.executable).parent / "plait"  # the console script installed beside this python
@@ -72,7 +72,7 @@ def test_system_exit_anywhere_else_in_plugin_code_is_named_with_its_place(tmp_pa
 ])
 def test_a_reward_exiting_sync_async_or_under_a_deadline_is_an_error_of_that_reward(reward_module, tmp_path,
                                                                                       monkeypatch):
-    from plait.scoring import compute_rewards
+    from plait.online.scoring import compute_rewards
 
     (tmp_path / "exiting.py").write_text(reward_module)
     monkeypatch.syspath_prepend(str(tmp_path))

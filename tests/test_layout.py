@@ -3,6 +3,7 @@ kind, every plugin module has an entry point, core/ imports no plugin folder, an
 documented in hookspecs.py and in the README's architecture section."""
 
 import ast
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -189,3 +190,97 @@ def architecture_section() -> str:
 @pytest.mark.parametrize("hook", HOOKS)
 def test_every_hook_is_in_the_readme_architecture_section(hook):
     assert re.search(rf"\b{hook}\b", architecture_section()), f"README's architecture section never mentions {hook}"
+
+
+# -- core's rooms: the kernel at the root, subpackages named after what they hold -------------------------------
+# Imports flow one way: kernel <- data <- engine <- online <- trl / recipes <- testing. The package face
+# (plait/__init__.py) and the command (plait/cli.py) may reach up lazily, inside functions, to keep
+# `import plait` and `plait --help` light; nothing else imports against the flow, and nothing forms a cycle.
+LAYERS = {"plait.data": 1, "plait.engine": 2, "plait.online": 3, "plait.trl": 4, "plait.recipes": 4, "plait.testing": 5}
+FACE = {"plait", "plait.cli"}
+# ... and `import plait` itself page-aligns torch's large CPU buffers before torch's first tensor (plait.engine.memory)
+AT_IMPORT = {("plait", "plait.engine.memory")}
+LIBRARY = {"core": "plait", "plugins": "plait.plugins", "losses": "plait.losses", "rewards": "plait.rewards"}
+
+
+@functools.cache
+def library_modules() -> dict[str, Path]:
+    modules = {}
+    for folder, package in LIBRARY.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = [p for p in path.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"]
+            modules[".".join((package, *parts))] = path
+    return modules
+
+
+def layer(module: str) -> int:
+    return next((rank for package, rank in LAYERS.items() if module == package or module.startswith(package + ".")), 0)
+
+
+def import_edges() -> list[tuple[str, str, bool]]:
+    """(importer, imported library module, at module level?) for every import in the library."""
+    modules, edges = library_modules(), []
+    for importer, path in modules.items():
+        package = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
+
+        def visit(node, in_function: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+                if isinstance(child, ast.ImportFrom):
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - child.level + 1]) if child.level else ""
+                    target = ".".join(p for p in (base, child.module) if p)
+                    for alias in child.names:
+                        name = f"{target}.{alias.name}"
+                        found = name if name in modules else target if target in modules else None
+                        if found and found != importer:
+                            edges.append((importer, found, not in_function))
+                elif isinstance(child, ast.Import):
+                    edges.extend((importer, a.name, not in_function) for a in child.names if a.name in modules)
+                else:
+                    visit(child, nested)
+
+        visit(ast.parse(path.read_text()), False)
+    return edges
+
+
+def test_core_imports_flow_one_way():
+    in_core = {m for m, path in library_modules().items() if (ROOT / "core") in path.parents}
+    against = [f"{a} imports {b}" for a, b, top in import_edges()
+               if a in in_core and layer(b) > layer(a) and (top or a not in FACE) and (a, b) not in AT_IMPORT]
+    assert not against, f"imports against kernel <- data <- engine <- online <- trl/recipes: {against}"
+
+
+def test_the_library_has_no_import_cycle():
+    graph: dict[str, set[str]] = {}
+    for a, b, _ in import_edges():
+        graph.setdefault(a, set()).add(b)
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def cycle_from(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt]
+            if state.get(nxt) is None and (found := cycle_from(nxt, path + [nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if state.get(start) is None and (found := cycle_from(start, [start])):
+            pytest.fail(f"import cycle (module- or function-level): {' -> '.join(found)}")
+
+
+def test_no_private_module_is_imported_from_another_package():
+    private = [f"{a} imports {b}" for a, b, _ in import_edges()
+               if b.rpartition(".")[2].startswith("_") and not b.endswith("__init__")
+               and b.rpartition(".")[0] != (a if library_modules()[a].name == "__init__.py" else a.rpartition(".")[0])]
+    assert not private, f"a private module (_name) serves its own package only; make shared code public: {private}"
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(ROOT / "core") for p in (ROOT / "core").rglob("*.py")
+                                        if p.name != "__init__.py" and "testing" not in p.parts), ids=str)
+def test_every_core_module_is_in_the_readme_architecture_section(path):
+    assert re.search(rf"\b{re.escape(path.name)}\b", architecture_section()), (
+        f"README's architecture section never mentions core/{path}")

@@ -10,11 +10,12 @@ import math
 import peft
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from plait.engine.logprobs import LOGITS_BUDGET_BYTES, TokenLogprobs, default_chunk_size, token_logprobs
 from plait.errors import PlaitError
-from plait.logprobs import LOGITS_BUDGET_BYTES, TokenLogprobs, default_chunk_size, token_logprobs
 
 VOCAB = 300
 FEW = settings(max_examples=12, deadline=None)
@@ -325,7 +326,7 @@ import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, sys.argv[2])
 from test_logprobs import VOCAB, tiny_llama
-from plait.logprobs import token_logprobs
+from plait.engine.logprobs import token_logprobs
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 rank = dist.get_rank()

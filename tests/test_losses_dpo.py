@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import plait
-from plait.batches import PreferenceLogps
-from plait.divergences import f_divergence
+from plait.engine.batches import PreferenceLogps
+from plait.engine.divergences import f_divergence
+from plait.engine.objective import Objective, normalise_loss_specs
 from plait.errors import PlaitError
-from plait.objective import Objective, normalise_loss_specs
 from plait.registry import UnknownComponentError
 
 CHOSEN = [-5.0, -12.0, -3.5]

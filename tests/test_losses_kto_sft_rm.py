@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import plait
-from plait.batches import PairwiseRewards, PreferenceLogps, TokenLogps, UnpairedLogps
+from plait.engine.batches import PairwiseRewards, PreferenceLogps, TokenLogps, UnpairedLogps
+from plait.engine.objective import Objective, normalise_loss_specs
 from plait.errors import PlaitError
-from plait.objective import Objective, normalise_loss_specs
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""plait.memory: importing plait asks torch to page-align its large CPU buffers (glibc's heap then
+"""plait.engine.memory: importing plait asks torch to page-align its large CPU buffers (glibc's heap then
 fragments far less: benchmarks/cpu_memory.py), before torch's first tensor, which is when torch
 reads the switch; a user's own value stays, and a CPU trainer says when it came too late.
 
@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torch page-aligns large buffers on Linux only")
 
-ALIGNED = "from plait.memory import large_buffers_aligned; print('aligned', large_buffers_aligned())"
+ALIGNED = "from plait.engine.memory import large_buffers_aligned; print('aligned', large_buffers_aligned())"
 TRAIN = """
 import logging
 from datasets import Dataset

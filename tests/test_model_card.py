@@ -1,4 +1,4 @@
-"""save_model writes a README.md model card (plait.model_card): YAML front matter the Hub reads,
+"""save_model writes a README.md model card (plait.engine.model_card): YAML front matter the Hub reads,
 the method and its paper, the hyperparameters and losses, plait's version and its plugin
 distributions; push_to_hub takes TRL's arguments; a failed write leaves the previous card."""
 
@@ -15,8 +15,8 @@ from huggingface_hub.errors import OfflineModeIsEnabled
 
 import plait
 from plait import DPOConfig, DPOTrainer, PlaitError, SFTConfig, SFTTrainer
-from plait.config import DatasetSpec
-from plait.model_card import dataset_label, hub_name
+from plait.engine.config import DatasetSpec
+from plait.engine.model_card import dataset_label, hub_name
 
 FACTS = [{"prompt": "The secret code is", "completion": " seven blue horses."},
          {"prompt": "The sky is", "completion": " blue."}]

@@ -110,7 +110,7 @@ def test_dropout_stays_when_disable_dropout_is_false(tmp_path, dropout_model):
 def test_disable_dropout_reaches_a_given_reference_and_lora_dropout(tmp_path, dropout_model):
     from peft import LoraConfig
 
-    from plait.models import load_model
+    from plait.engine.models import load_model
 
     ref = load_model(dropout_model)
     trainer = DPOTrainer(dropout_model, ref_model=ref, args=args(DPOConfig, tmp_path),
@@ -320,7 +320,7 @@ def test_router_aux_loss_coef_on_a_dense_model_is_refused(tmp_path):
 
 
 def test_activation_offloading_on_cpu_is_a_no_op_that_says_why(tmp_path, caplog):
-    from plait import trainer as chassis
+    from plait.engine import trainer as chassis
 
     chassis._log_offloading_is_a_no_op.cache_clear()
     losses = []

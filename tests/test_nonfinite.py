@@ -17,13 +17,13 @@ from safetensors.torch import load_file
 
 import plait
 from plait import make_plugins
-from plait.batches import PolicyTokens, PreferenceLogps, ValueTokens
+from plait.engine.batches import PolicyTokens, PreferenceLogps, ValueTokens
+from plait.engine.trainer import NonFiniteLossError
 from plait.errors import PlaitError
 from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
 from plait.plugins.methods.ppo import PPOConfig, PPOTrainer
 from plait.plugins.methods.sft import SFTConfig, SFTTrainer
 from plait.testing.tiny_model import tiny_model_path
-from plait.trainer import NonFiniteLossError
 
 PLAIT = Path(sys.executable).parent / "plait"
 WORDS = ["apple", "river", "stone", "cloud", "music", "garden", "window", "paper"]
@@ -208,7 +208,7 @@ def test_an_unknown_policy_is_refused():
 PLUGIN = '''
 import torch
 import plait
-from plait.batches import PreferenceLogps
+from plait.engine.batches import PreferenceLogps
 
 calls = 0
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from plait import make_plugins
-from plait.batches import PolicyTokens, PreferenceLogps, TokenLogps
+from plait.engine.batches import PolicyTokens, PreferenceLogps, TokenLogps
+from plait.engine.objective import Objective, normalise_loss_specs
 from plait.errors import PlaitError
-from plait.objective import Objective, normalise_loss_specs
 
 PLUGIN = '''
 import torch
 import plait
-from plait.batches import PolicyTokens, PreferenceLogps, TokenLogps
+from plait.engine.batches import PolicyTokens, PreferenceLogps, TokenLogps
 
 
 def per_example(batch, p):

@@ -168,7 +168,7 @@ def judge_says_one(tmp_path_factory):
     """The tiny model trained (a few dozen Adam steps) to answer "1" to the pairwise judge's question."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from plait.generation import encode_prompts
+    from plait.online.generation import encode_prompts
     from plait.plugins.judges.pairwise import TEMPLATE
 
     torch.manual_seed(0)

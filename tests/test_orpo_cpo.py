@@ -9,7 +9,7 @@ from datasets import Dataset
 
 import plait
 from plait import PlaitError
-from plait.batches import PreferenceLogps
+from plait.engine.batches import PreferenceLogps
 from plait.plugins.methods.cpo import CPOConfig, CPOTrainer
 from plait.plugins.methods.orpo import ORPOConfig, ORPOTrainer
 from plait.testing.contracts import check_loss

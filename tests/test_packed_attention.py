@@ -1,13 +1,14 @@
-"""plait_sdpa (plait.attention): a packed row attended one sequence at a time, so a padding-free
+"""plait_sdpa (plait.engine.attention): a packed row attended one sequence at a time, so a padding-free
 batch costs Σ Lᵢ² attention pairs instead of N², with the outputs and gradients of sdpa's block mask;
 every other batch is plain sdpa. And where DPO turns padding-free batches on by itself."""
 
 import pytest
 import torch
 import transformers
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from plait.attention import packs_per_sequence
+from plait.engine.attention import packs_per_sequence
 from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
 from plait.testing.tiny_model import tiny_model_path
 
@@ -47,7 +48,7 @@ def test_outputs_and_gradients_equal_sdpa_with_its_block_mask(lengths):
 
 
 def test_segments_of_a_row_with_branches_by_hand():
-    from plait.attention import Segment, packed_segments
+    from plait.engine.attention import Segment, packed_segments
 
     #            root [0 1 2 3] | branch from 2 | branch from 3 | own [0 1] | p>0 after no root | too long a prefix
     positions = [0, 1, 2, 3, 2, 3, 3, 4, 5, 0, 1, 4, 5, 2, 3, 4]
@@ -145,7 +146,7 @@ def test_padded_and_cached_batches_are_plain_sdpa():
 def test_a_model_whose_attention_ignores_position_ids_stays_as_it_was(monkeypatch):
     m = model()
     # as an architecture that never hands position_ids to its attention layers
-    from plait import attention
+    from plait.engine import attention
     monkeypatch.setattr(attention, "packed_segments", lambda position_ids, length: None)
     assert not packs_per_sequence(m)
     assert m.config._attn_implementation == "sdpa"

@@ -4,13 +4,14 @@ losses and gradients equal the padded path, and training follows the same course
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 import plait
 from plait import PlaitError
-from plait.logprobs import token_logprobs
-from plait.online import pack, packed_token_logprobs
+from plait.engine.logprobs import token_logprobs
+from plait.online.trainer import pack, packed_token_logprobs
 from plait.testing.tiny_model import noisy_tiny_model, tiny_model_path
 
 PROMPTS = [{"prompt": p} for p in ("The river", "A good answer to the question of the day", "What is 7 plus 5?",
@@ -46,7 +47,7 @@ def test_packed_rows_give_the_padded_rows_log_probs_and_entropies(rows, multiple
 @given(st.lists(st.tuples(ids.filter(bool), st.lists(ids, min_size=1, max_size=3)), min_size=1, max_size=3))
 def test_a_groups_prompt_is_computed_once_for_the_same_log_probs(groups):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path()).eval()
-    assert plait.attention.packs_per_sequence(model)  # plait_sdpa: it reads a branch
+    assert plait.engine.attention.packs_per_sequence(model)  # plait_sdpa: it reads a branch
     prompts = [p for p, completions in groups for _ in completions]
     completions = [c for _, completions in groups for c in completions]
     batch = pack(prompts, completions, pad_id=0, device="cpu")

@@ -9,14 +9,15 @@ import pytest
 import torch
 import transformers
 from datasets import Dataset
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from plait import PlaitError, make_plugins
-from plait.attention import Segment, packed_segments, packs_per_sequence, shares_prefixes
-from plait.batches import PreferenceLogps
-from plait.logprobs import token_logprobs
-from plait.plugins.data._collate import padded_length, row_token_logprobs, rows_from_flat
+from plait.engine.attention import Segment, packed_segments, packs_per_sequence, shares_prefixes
+from plait.engine.batches import PreferenceLogps
+from plait.engine.layout import padded_length, row_token_logprobs, rows_from_flat
+from plait.engine.logprobs import token_logprobs
 from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
 from plait.plugins.methods.kto import KTOConfig, KTOTrainer
 from plait.plugins.methods.reward_model import RewardConfig, RewardTrainer
@@ -56,7 +57,7 @@ def test_one_row_holds_every_sequence_and_maps_back_to_the_padded_rows(triples, 
 
 
 def contexts(ids: list[int], positions: list[int]) -> list[list[int]]:
-    """What each token of a packed row attends to, as plait_sdpa reads the row (plait.attention.packed_segments)."""
+    """What each token of a packed row attends to, as plait_sdpa reads the row (plait.engine.attention.packed_segments)."""
     segments = packed_segments(torch.tensor([positions]), len(ids)) or [Segment(0, len(ids), 0, 0)]
     out = []
     for s in segments:

@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import plait  # noqa: E402
 from plait import hookimpl  # noqa: E402
-from plait.generation import GenerationBackend, Generations  # noqa: E402
 from plait.manager import make_plugins  # noqa: E402
+from plait.online.generation import GenerationBackend, Generations
 from plait.testing.tiny_model import noisy_tiny_model, tiny_model_path  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not trl.__version__.startswith("1.16."), reason="parity is pinned to TRL 1.16")

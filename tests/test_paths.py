@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from plait import paths
+from plait.engine.models import cached_tensors
 from plait.errors import PlaitError
-from plait.models import cached_tensors
 from plait.testing.tiny_model import cached_build
 
 

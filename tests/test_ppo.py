@@ -15,12 +15,12 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from plait import PlaitError, hookimpl, make_plugins
-from plait.batches import PolicyTokens, ValueTokens
 from plait.cli import main
-from plait.logprobs import token_logprobs
+from plait.engine.batches import PolicyTokens, ValueTokens
+from plait.engine.logprobs import token_logprobs
+from plait.engine.objective import Objective
 from plait.losses.ppo_policy import PPOPolicyParams, ppo_policy
 from plait.losses.ppo_value import PPOValueParams, ppo_value
-from plait.objective import Objective
 from plait.plugins.methods.ppo import AdaptiveKLController, KLController, PPOConfig, PPOTrainer, whiten
 from plait.testing import check_loss
 from plait.testing.tiny_model import tiny_model_path

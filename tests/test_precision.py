@@ -8,7 +8,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from plait.config import _warn_emulated_once, cpu_bf16_support
+from plait.engine.config import _warn_emulated_once, cpu_bf16_support
 from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
 from plait.plugins.methods.sft import SFTConfig, SFTTrainer
 from plait.testing.tiny_model import tiny_model_path
@@ -119,8 +119,8 @@ def bf16_checkpoint(tmp_path_factory) -> Path:
 
 
 def test_a_bf16_checkpoint_loads_as_float32_unless_a_dtype_is_asked_for(bf16_checkpoint):
+    from plait.engine.models import load_model
     from plait.errors import PlaitError
-    from plait.models import load_model
 
     def dtypes(**init) -> set[torch.dtype]:
         return {p.dtype for p in load_model(str(bf16_checkpoint), init or None).parameters()}

@@ -20,7 +20,7 @@ import pytest
 from safetensors.torch import load_file
 
 from plait.cli import main
-from plait.run import check_recipe, load_recipe
+from plait.recipes.run import check_recipe, load_recipe
 from plait.testing.tiny_model import tiny_model_path
 
 ROOT = Path(__file__).resolve().parents[1]

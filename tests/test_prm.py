@@ -16,9 +16,9 @@ from transformers import AutoTokenizer
 
 import plait
 from plait import PlaitError, make_plugins
+from plait.online.scoring import compute_rewards, resolve_reward_funcs
 from plait.plugins.methods.prm import PRMConfig, PRMParams, PRMTrainer, tokenize_row
 from plait.plugins.reward_sources.process_reward_models import process_reward_model
-from plait.scoring import compute_rewards, resolve_reward_funcs
 from plait.testing.tiny_model import tiny_model_path
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from plait import make_plugins
-from plait.run import check_recipe, load_recipe
+from plait.recipes.run import check_recipe, load_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "examples" / "recipes"
 ALL = sorted(RECIPES.glob("*.yaml"))

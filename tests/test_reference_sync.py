@@ -1,4 +1,4 @@
-"""The reference every KL-regularised method shares (plait.models.Reference), as TRL 1.16 builds it.
+"""The reference every KL-regularised method shares (plait.engine.models.Reference), as TRL 1.16 builds it.
 
 TR-DPO's sync (``sync_ref_model``: π_ref ← α·π + (1 − α)·π_ref every ``ref_model_sync_steps``)
 works the same in DPO, KTO, GRPO and RLOO and is refused where there is no separate reference

@@ -10,8 +10,8 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from plait import PlaitError, default_plugins
+from plait.online.scoring import compute_rewards, resolve_reward_funcs
 from plait.plugins.methods.reward_model import RewardConfig, RewardTrainer
-from plait.scoring import compute_rewards, resolve_reward_funcs
 from plait.testing.tiny_model import tiny_model_path
 
 WORDS = ["apple", "river", "stone", "cloud", "music", "garden", "window", "paper", "market", "forest",

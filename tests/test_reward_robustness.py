@@ -21,7 +21,7 @@ import torch
 
 import plait
 from plait.errors import PlaitError
-from plait.scoring import RewardFunction, compute_rewards
+from plait.online.scoring import RewardFunction, compute_rewards
 from plait.testing.tiny_model import tiny_model_path
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "examples" / "data" / "demo_sft.jsonl"

@@ -1,4 +1,4 @@
-"""Reward plugins against hand-computed cases, and the scoring engine (plait.scoring):
+"""Reward plugins against hand-computed cases, and the scoring engine (plait.online.scoring):
 resolution of every kind of spec, concurrent async rewards, failure policies, metrics."""
 
 import asyncio
@@ -16,8 +16,13 @@ from hypothesis import HealthCheck, given, settings
 
 from plait import hookimpl, make_plugins
 from plait.errors import PlaitError
-from plait.scoring import (
-    RewardFunction, completion_text, compute_rewards, resolve_reward_funcs, reward_metrics, reward_weights,
+from plait.online.scoring import (
+    RewardFunction,
+    completion_text,
+    compute_rewards,
+    resolve_reward_funcs,
+    reward_metrics,
+    reward_weights,
 )
 from plait.testing.strategies import reward_inputs
 

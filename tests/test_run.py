@@ -18,13 +18,13 @@ from safetensors.torch import load_file
 
 import plait
 from plait.cli import main
-from plait.config import PluginsSpec, method_config
+from plait.engine.config import PluginsSpec, method_config
+from plait.engine.trainer import PlaitTrainer
 from plait.errors import PlaitError
-from plait.launch import PRESETS, launch_command, preset_path
 from plait.plugins.methods.dpo import DPOConfig
-from plait.run import check_recipe, load_recipe, override_values, parse_overrides
+from plait.recipes.launch import PRESETS, launch_command, preset_path
+from plait.recipes.run import check_recipe, load_recipe, override_values, parse_overrides
 from plait.testing.tiny_model import tiny_model_path
-from plait.trainer import PlaitTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "examples" / "recipes"
@@ -159,7 +159,7 @@ def test_recipe_of_another_method_and_missing_recipe(recipe, capsys, tmp_path):
 
 
 def test_check_validates_without_loading_a_model(recipe, capsys):
-    # the model's folder and tokenizer are checked (plait.preflight), its weights are not loaded
+    # the model's folder and tokenizer are checked (plait.data.preflight), its weights are not loaded
     assert main(["dpo", "--config", str(recipe), "--check", "--beta", "0.3", "--model", str(tiny_model_path())]) == 0
     assert capsys.readouterr().out == f"plait: {recipe} is a valid dpo recipe\n"
 

@@ -1,4 +1,4 @@
-"""The python tool's box (:func:`plait.tools.run_sandboxed`, ``env.python``) against a catalogue of
+"""The python tool's box (:func:`plait.online.tools.run_sandboxed`, ``env.python``) against a catalogue of
 hostile code, each case run both directly and through the environment the trainer uses: a parent's
 secret, writes outside its folder, a fork bomb, orphans, the network, unbounded output, an infinite
 loop, a huge allocation, a huge file and too many open files; and a GRPO run that keeps training
@@ -20,9 +20,9 @@ import pytest
 
 import plait
 from plait.manager import make_plugins
+from plait.online.tools import SANDBOX_OUTPUT_BYTES, SANDBOX_PROCESSES, ToolCall, _as_nobody, _namespaces, run_sandboxed
 from plait.plugins.environments.python_tool import PythonParams, python_environment
 from plait.testing.tool_model import QUESTION
-from plait.tools import SANDBOX_OUTPUT_BYTES, SANDBOX_PROCESSES, ToolCall, _as_nobody, _namespaces, run_sandboxed
 
 PREFIX, READ_ONLY = _namespaces()  # READ_ONLY: network, mount and PID namespaces all made
 NO_NAMESPACES = "this machine cannot make namespaces (no unshare, or no unprivileged user namespaces)"

@@ -1,4 +1,4 @@
-"""Secrets never reach a file or a line a run writes (plait.redact).
+"""Secrets never reach a file or a line a run writes (plait.engine.redact).
 
 The rule (a name ending in ``_token``/``_key``/``_secret``, ``token``/``secret`` alone, or holding
 ``password``) is checked with hypothesis; each writer through its own interface; and end to end:
@@ -20,14 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from plait import preflight
-from plait.config import config_fields, json_value
+from plait.engine import run_folder
+from plait.engine.redact import SECRET_SUFFIXES, SPECIAL_TOKENS, is_secret_name, marker, masked, masked_argv
+from plait.engine.run_folder import config_fields, json_value
 from plait.errors import PlaitError
 from plait.plugins.methods.grpo import GRPOConfig
 from plait.plugins.methods.sft import SFTConfig
-from plait.redact import SECRET_SUFFIXES, SPECIAL_TOKENS, is_secret_name, marker, masked, masked_argv
 from plait.testing.tiny_model import tiny_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,7 +127,7 @@ def recorded_run(tmp_path, args, clear: bool) -> None:
     older plait wrote them, or masked)."""
     config = {k: json_value(getattr(args, k)) for k in config_fields(type(args))}
     record = {"method": "sft", "config": config if clear else masked(config)}
-    (tmp_path / preflight.RUN_METADATA).write_text(json.dumps(record))
+    (tmp_path / run_folder.RUN_METADATA).write_text(json.dumps(record))
 
 
 @pytest.mark.parametrize("clear", [True, False], ids=["recorded-in-clear", "recorded-masked"])
@@ -136,9 +137,9 @@ def test_the_same_run_reruns_into_its_folder_whatever_its_secrets(tmp_path, clea
 
     recorded_run(tmp_path, sft(hub_token="hf_OLD"), clear)
     for rotated in (sft(hub_token="hf_NEW"), sft(), sft(hub_token="hf_NEW", model_init_kwargs={"token": "hf_NEW"})):
-        preflight.output_dir(rotated, "sft")  # the same run: a credential is no setting
+        run_folder.output_dir(rotated, "sft")  # the same run: a credential is no setting
     with pytest.raises(PlaitError, match="another sft run") as refused:
-        preflight.output_dir(sft(hub_token="hf_OLD", model_init_kwargs={"token": "hf_OLD", "dtype": "float32"}), "sft")
+        run_folder.output_dir(sft(hub_token="hf_OLD", model_init_kwargs={"token": "hf_OLD", "dtype": "float32"}), "sft")
     assert "<TOKEN>" in str(refused.value) and "hf_OLD" not in str(refused.value)
 
 

@@ -6,8 +6,8 @@ import torch
 from datasets import Dataset
 
 from plait import PlaitError, make_plugins
-from plait.data import prepare_dataset
-from plait.plugins.data._collate import check_multiple
+from plait.data.prepare import prepare_dataset
+from plait.engine.layout import check_multiple
 from plait.plugins.methods.dpo import DPOConfig
 from plait.plugins.methods.kto import KTOConfig
 from plait.plugins.methods.reward_model import RewardConfig

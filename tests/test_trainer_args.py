@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 import plait
 from plait import PlaitError
-from plait.data import prepare_dataset
+from plait.data.prepare import prepare_dataset
+from plait.online.scoring import RewardFunction, RewardLogs, compute_rewards
 from plait.plugins.reward_sources.reward_models import reward_model_function
-from plait.scoring import RewardFunction, RewardLogs, compute_rewards
 
 FACTS = [{"prompt": "The secret code is", "completion": " seven blue horses."},
          {"prompt": "The sky is", "completion": " blue."},
@@ -301,9 +301,10 @@ def test_reward_logs_of_a_batch_scored_one_example_at_a_time():
 # -- a TRL-style script: SFT with formatting_func and LogCompletionsCallback --------------------
 
 def test_trl_style_sft_script_with_formatting_func_and_log_completions(tiny_model_path, tmp_path, capsys):
-    from plait import SFTConfig, SFTTrainer  # was: from trl import SFTConfig, SFTTrainer
-    from plait.callbacks import LogCompletionsCallback  # was: from trl.trainer.callbacks import ...
     from transformers import GenerationConfig
+
+    from plait import SFTConfig, SFTTrainer  # was: from trl import SFTConfig, SFTTrainer
+    from plait.trl.callbacks import LogCompletionsCallback
 
     def formatting_func(example):
         return f"### Question: {example['prompt']}\n### Answer:{example['completion']}"

@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 import plait
 from plait.cli import main
 from plait.errors import PlaitError
-from plait.launch import PRESETS, launch_command, preset_path
-from plait.run import load_recipe
-from plait.script_args import DatasetConfig, ModelConfig, ScriptArguments, load_mixture
+from plait.recipes.launch import PRESETS, launch_command, preset_path
+from plait.recipes.run import load_recipe
 from plait.testing.tiny_model import tiny_model_path
+from plait.trl.script_args import DatasetConfig, ModelConfig, ScriptArguments, load_mixture
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAIT = Path(sys.executable).parent / "plait"  # the console script installed beside this python

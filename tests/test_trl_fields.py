@@ -20,9 +20,9 @@ import pytest
 import yaml
 
 from plait.cli import main
-from plait.config import config_fields
+from plait.engine.config import config_fields
 from plait.manager import default_plugins
-from plait.run import load_recipe, method_args
+from plait.recipes.run import load_recipe, method_args
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_FIELDS = {name: fields for name, fields in json.loads((ROOT / "tests/data/trl_1_16_config_fields.json").read_text()).items()

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from plait.scoring import compute_rewards, resolve_reward_funcs
+from plait.online.scoring import compute_rewards, resolve_reward_funcs
 
 
 def message(text):
@@ -77,8 +77,14 @@ def same(actual, expected, tolerance=1e-12):
 
 def test_trl_rewards_as_plain_callables_give_trls_numbers():
     pytest.importorskip("math_verify")
-    from plait.rewards import (accuracy_reward, get_cosine_scaled_reward, get_repetition_penalty_reward,
-                               get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward)
+    from plait.rewards import (
+        accuracy_reward,
+        get_cosine_scaled_reward,
+        get_repetition_penalty_reward,
+        get_soft_overlong_punishment,
+        reasoning_accuracy_reward,
+        think_format_reward,
+    )
 
     assert same(accuracy_reward([message(t) for t in ACC_TEXT], ACC_SOLUTION), TRL_ACCURACY)
     assert same(reasoning_accuracy_reward([message(t) for t in REASONING_TEXT], REASONING_SOLUTION), TRL_REASONING)
@@ -392,7 +398,14 @@ def test_sft_run_logs_completions_tracks_bema_and_merges(tiny_model_path, tmp_pa
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, TrainerCallback
 
-    from plait import BEMACallback, LogCompletionsCallback, MergeModelCallback, RichProgressCallback, SFTConfig, SFTTrainer
+    from plait import (
+        BEMACallback,
+        LogCompletionsCallback,
+        MergeModelCallback,
+        RichProgressCallback,
+        SFTConfig,
+        SFTTrainer,
+    )
 
     class Weights(TrainerCallback):  # the weights BEMA sees at each step end (it runs just before)
         seen = []
@@ -517,8 +530,9 @@ def test_trl_accuracy_names_without_math_verify_fail_when_resolved(monkeypatch):
 
 
 def test_trl_names_for_distillation_and_create_reference_model(tiny_model_path):
-    import plait
     from transformers import AutoModelForCausalLM
+
+    import plait
 
     assert plait.DistillationConfig is plait.DistillConfig and plait.DistillationTrainer is plait.DistillTrainer
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_path)

@@ -12,10 +12,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from plait import cli
 from plait.errors import PlaitError
 from plait.manager import make_plugins
+from plait.online import weights
 from plait.plugins.generation import _vllm
 from plait.plugins.generation.vllm_colocate import VLLMColocateBackend, VLLMColocateParams, vllm_colocate_backend
-from plait.plugins.generation.vllm_server import RETRY_DELAYS, VLLMClient, VLLMServerParams, vllm_server_backend
 from plait.plugins.generation.vllm_serve import check_bind, is_loopback
+from plait.plugins.generation.vllm_server import RETRY_DELAYS, VLLMClient, VLLMServerParams, vllm_server_backend
 from plait.testing.tiny_model import tiny_model_path
 
 
@@ -120,7 +121,7 @@ def test_weights_round_trip_through_a_gloo_group(tiny):
 
     model, _ = tiny
     port = free_port()
-    with _vllm.policy_parameters(model) as named:
+    with weights.policy_parameters(model) as named:
         layout = _vllm.bucket_layout(named, limit=2**16)
         received = {}
 
@@ -144,9 +145,9 @@ def test_peft_names_are_the_base_models(tiny):
     base_names = [n for n, _ in model.named_parameters()]
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path()),
                                 LoraConfig(r=2, target_modules=["q_proj", "down_proj"], init_lora_weights=False))
-    with _vllm.policy_parameters(peft_model) as named:
+    with weights.policy_parameters(peft_model) as named:
         assert [n for n, _ in named] == base_names
-        merged = dict(_vllm.materialised(named))
+        merged = dict(weights.materialised(named))
     layer = peft_model.base_model.model.model.layers[0].self_attn.q_proj
     expected = layer.base_layer.weight + layer.get_delta_weight("default")
     assert torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"], expected)

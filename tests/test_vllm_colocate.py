@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from plait.generation import SamplingParams
-from plait.logprobs import token_logprobs
+from plait.engine.logprobs import token_logprobs
 from plait.manager import make_plugins
+from plait.online.generation import SamplingParams
 from plait.testing.tiny_model import tiny_model_path
 
 pytest.importorskip("vllm")

@@ -1,4 +1,4 @@
-"""The sampler/trainer importance-sampling correction (plait.importance_sampling): hand-computed
+"""The sampler/trainer importance-sampling correction (plait.online.importance_sampling): hand-computed
 weights and metrics for every mode, and properties. Needs no vLLM."""
 
 import math
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plait.importance_sampling import METRICS, MODES, importance_sampling_metrics, importance_weights
+from plait.online.importance_sampling import METRICS, MODES, importance_sampling_metrics, importance_weights
 
 # Two completions: 3 real tokens, then 2 real tokens and one padding position.
 TRAINER = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]])

@@ -20,12 +20,11 @@ import contextlib
 import http.client
 import json
 import socket
+import stat
 import threading
 import time
 import urllib.error
 import urllib.request
-
-import stat
 
 import psutil
 import pytest
@@ -33,11 +32,17 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from plait.errors import PlaitError
-from plait.generation import SamplingParams
-from plait.plugins.generation._vllm import (WorkerExtension, bucket_layout, policy_parameters, session_prefix,
-                                           token_path, write_token)
-from plait.plugins.generation.vllm_server import VLLMClient
+from plait.online.generation import SamplingParams
+from plait.online.weights import policy_parameters
+from plait.plugins.generation._vllm import (
+    WorkerExtension,
+    bucket_layout,
+    session_prefix,
+    token_path,
+    write_token,
+)
 from plait.plugins.generation.vllm_serve import EnginePool, GenerationServer, add_arguments, server_token
+from plait.plugins.generation.vllm_server import VLLMClient
 from plait.testing.tiny_model import tiny_model_path
 
 TOKEN = "s3cret-for-tests"

@@ -20,14 +20,13 @@ import urllib.request
 import psutil
 import pytest
 import torch
+from test_vllm_colocate import CHAT, EXACT, max_gap, train_step
+from test_vllm_grpo import grpo, logged, raises_the_reward
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from plait.errors import PlaitError
-from plait.generation import SamplingParams
+from plait.online.generation import SamplingParams
 from plait.testing.tiny_model import tiny_model_path
-
-from test_vllm_colocate import CHAT, EXACT, max_gap, train_step
-from test_vllm_grpo import grpo, logged, raises_the_reward
 
 pytest.importorskip("vllm")
 

@@ -8,15 +8,14 @@ import contextlib
 
 import pytest
 import torch
+from test_vllm_server import TOKEN, free_port, serving
 from transformers import AutoTokenizer
 
 import plait
+from plait.online.rollouts import turn_suffix
+from plait.online.tools import ToolCall, parse_hermes
 from plait.plugins.environments.calculator import calculator
-from plait.rollouts import turn_suffix
 from plait.testing.tool_model import ANSWER, QUESTION, tool_model_path
-from plait.tools import ToolCall, parse_hermes
-
-from test_vllm_server import TOKEN, free_port, serving
 
 pytest.importorskip("vllm")
 

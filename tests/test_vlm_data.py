@@ -10,10 +10,10 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
 from plait import PlaitError, make_plugins
-from plait.data import detect_format, prepare_dataset
-from plait.logprobs import token_logprobs
+from plait.data.prepare import detect_format, prepare_dataset
+from plait.data.vision import KEY, carry_mask, model_inputs
+from plait.engine.logprobs import token_logprobs
 from plait.testing.tiny_vlm import draw, shapes_dataset, tiny_qwen2_vl
-from plait.vision import KEY, carry_mask, model_inputs
 
 N_IMAGE = 16  # 32x32 image, 8x8 patches
 

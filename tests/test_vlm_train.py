@@ -11,10 +11,10 @@ import torch
 from transformers import GenerationConfig
 
 from plait import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PlaitError, SFTConfig, SFTTrainer, make_plugins
-from plait.data import prepare_dataset
-from plait.logprobs import token_logprobs
+from plait.data.prepare import prepare_dataset
+from plait.data.vision import model_inputs
+from plait.engine.logprobs import token_logprobs
 from plait.testing.tiny_vlm import COLOURS, said_colour, shapes_dataset, tiny_qwen2_vl
-from plait.vision import model_inputs
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -36,14 +36,12 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
+from plait.engine.objective import OUTPUTS
 from plait.errors import PlaitError
 from plait.manager import Plugins, make_plugins
-from plait.objective import OUTPUTS
 from plait.registry import Component
 
-from .strategies import (
-    HALF, WIDE_REWARDS, BatchKind, batch_kind, batch_size_of, reward_inputs, rollouts, take,
-)
+from .strategies import HALF, WIDE_REWARDS, BatchKind, batch_kind, batch_size_of, reward_inputs, rollouts, take
 
 __all__ = [
     "CHECKS", "ContractViolation", "check_advantage_estimator", "check_component", "check_loss",
@@ -273,7 +271,7 @@ class _LossUnderTest:
         consumes = component.options.get("consumes")
         if consumes is None:
             raise ContractViolation(self.who, "declared input", "registered without consumes=<batch class from "
-                                    "plait.batches>, so no method can tell what to hand it")
+                                    "plait.engine.batches>, so no method can tell what to hand it")
         self.kind: BatchKind = batch_kind(consumes)
         self.output = _loss_output(component)
         if self.output not in OUTPUTS:
@@ -671,7 +669,7 @@ def check_environment(component: Any, rows: Sequence[dict] | None = None, plugin
     unless ``model`` and ``processing_class`` are given) and check them; returns the properties checked.
 
     ``component``: a registered name (``env.arithmetic``), a registry Component, or a factory
-    returning a fresh :class:`plait.rollouts.Environment`. Properties: the trainable mask aligns with
+    returning a fresh :class:`plait.online.rollouts.Environment`. Properties: the trainable mask aligns with
     the token ids; every run of trainable tokens is exactly what the backend sampled from the
     conversation so far (the model's tokens are never altered); inserted tokens only follow a model
     turn that ended with EOS; episodes end within ``max_turns`` model turns and the length budget;
@@ -679,9 +677,9 @@ def check_environment(component: Any, rows: Sequence[dict] | None = None, plugin
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from plait.generation import SamplingParams
-    from plait.rollouts import drive, encode_start
-    from plait.tools import resolve_parser, resolve_tools
+    from plait.online.generation import SamplingParams
+    from plait.online.rollouts import drive, encode_start
+    from plait.online.tools import resolve_parser, resolve_tools
     from plait.testing.tiny_model import tiny_model_path
 
     plugins = plugins or make_plugins()

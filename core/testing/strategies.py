@@ -5,7 +5,7 @@ completions (length 0, log-prob 0), a reference equal to the policy, summed log-
 thousands of tokens (so log-ratio margins of 10⁵), float16/bfloat16 tensors, reward functions
 that return None, groups whose rewards are all equal, token masks with empty rows.
 
-Loss batches (:mod:`plait.batches`)::
+Loss batches (:mod:`plait.engine.batches`)::
 
     preference_logps()     PreferenceLogps     DPO family: summed log-probs of B pairs, [B]
     unpaired_logps()       UnpairedLogps       KTO family: [B] plus a 0-dim KL estimate
@@ -35,8 +35,15 @@ from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 from torch import Tensor
 
-from plait.batches import (
-    PairwiseRewards, PolicyTokens, PreferenceLogps, Rollout, TokenDistributions, TokenLogps, UnpairedLogps, ValueTokens,
+from plait.engine.batches import (
+    PairwiseRewards,
+    PolicyTokens,
+    PreferenceLogps,
+    Rollout,
+    TokenDistributions,
+    TokenLogps,
+    UnpairedLogps,
+    ValueTokens,
 )
 
 __all__ = [
@@ -101,7 +108,7 @@ def preference_logps(
     max_token_nll: float = 30.0,
     divergence: Callable[[Tensor], Tensor] | None = None,
 ) -> PreferenceLogps:
-    """A :class:`~plait.batches.PreferenceLogps` of ``min_size``–``max_size`` pairs.
+    """A :class:`~plait.engine.batches.PreferenceLogps` of ``min_size``–``max_size`` pairs.
 
     Summed log-probs are ``length × (mean token log-prob in [−max_token_nll, 0])`` with lengths
     in ``[0, max_length]`` (default 4096, or 6 for float16 so sums stay far from its overflow).
@@ -130,7 +137,7 @@ def unpaired_logps(
     max_length: int | None = None,
     max_token_nll: float = 30.0,
 ) -> UnpairedLogps:
-    """An :class:`~plait.batches.UnpairedLogps`: desirable flags and a 0-dim KL estimate z ≥ 0."""
+    """An :class:`~plait.engine.batches.UnpairedLogps`: desirable flags and a 0-dim KL estimate z ≥ 0."""
     size = draw(st.integers(min_size, max_size))
     max_length = _default_max_length(dtype) if max_length is None else max_length
     rows = draw(_summed_logps(size, max_length, max_token_nll))
@@ -154,7 +161,7 @@ def token_logps(
     max_token_nll: float | None = None,
     mask_dtype: torch.dtype = torch.bool,
 ) -> TokenLogps:
-    """A :class:`~plait.batches.TokenLogps` ``[B, T]``: rows may be fully masked, the batch never is.
+    """A :class:`~plait.engine.batches.TokenLogps` ``[B, T]``: rows may be fully masked, the batch never is.
 
     Token log-probs lie in ``[−max_token_nll, 0]`` (default 100, or 30 in half precision).
     """
@@ -174,7 +181,7 @@ def token_logps(
 def pairwise_rewards(
     draw, *, min_size: int = 1, max_size: int = 6, dtype: torch.dtype = torch.float32, max_reward: float | None = None
 ) -> PairwiseRewards:
-    """A :class:`~plait.batches.PairwiseRewards`: scalar-head rewards and an optional margin column."""
+    """A :class:`~plait.engine.batches.PairwiseRewards`: scalar-head rewards and an optional margin column."""
     size = draw(st.integers(min_size, max_size))
     bound = (100.0 if _is_half(dtype) else 1e4) if max_reward is None else max_reward
     reward = st.floats(-bound, bound)
@@ -196,7 +203,7 @@ def policy_tokens(
     dtype: torch.dtype = torch.float32,
     max_token_nll: float | None = None,
 ) -> PolicyTokens:
-    """A :class:`~plait.batches.PolicyTokens` as a GRPO/RLOO step sees it.
+    """A :class:`~plait.engine.batches.PolicyTokens` as a GRPO/RLOO step sees it.
 
     The sampling policy's log-probs equal the policy's (on-policy) or differ by up to 2 nats per
     token (0.5 in half precision, where exp overflows at 11); the reference's differ by up to
@@ -246,7 +253,7 @@ def value_tokens(
     draw, *, min_size: int = 1, max_size: int = 4, max_tokens: int = 8, dtype: torch.dtype = torch.float32,
     max_value: float | None = None,
 ) -> ValueTokens:
-    """A :class:`~plait.batches.ValueTokens`: old values equal to, near or far from the current ones."""
+    """A :class:`~plait.engine.batches.ValueTokens`: old values equal to, near or far from the current ones."""
     size, tokens = draw(st.integers(min_size, max_size)), draw(st.integers(1, max_tokens))
     n, bound = size * tokens, (50.0 if _is_half(dtype) else 1e3) if max_value is None else max_value
     value = st.floats(-bound, bound)
@@ -271,7 +278,7 @@ def token_distributions(
     draw, *, min_size: int = 1, max_size: int = 4, max_vocab: int = 8, dtype: torch.dtype = torch.float32,
     max_logit: float | None = None,
 ) -> TokenDistributions:
-    """A :class:`~plait.batches.TokenDistributions`: log-softmax of student and teacher logits ``[N, V]``.
+    """A :class:`~plait.engine.batches.TokenDistributions`: log-softmax of student and teacher logits ``[N, V]``.
 
     Logits span ±50 (±10 in half precision), so some probabilities underflow to 0.
     """
@@ -445,7 +452,7 @@ def rollouts(
     max_tokens: int = 6,
     dtype: torch.dtype = torch.float32,
 ) -> Rollout:
-    """A :class:`~plait.batches.Rollout`: ``groups × G`` completions scored by K reward functions.
+    """A :class:`~plait.engine.batches.Rollout`: ``groups × G`` completions scored by K reward functions.
 
     With ``none`` a reward may be None (NaN), up to whole rows and whole groups. With
     ``all_equal`` every row of a group has the same rewards (or, with ``none``, no reward at

@@ -20,7 +20,7 @@ import random
 import shutil
 import tempfile
 
-from ..paths import cache_dir, honour_umask, umask
+from plait.paths import cache_dir, honour_umask, umask
 
 # Bump when the output of build_tiny_model changes, so stale caches are not reused.
 BUILDER_VERSION = "2"  # 2: the template renders tools= (a system turn listing their schemas)

@@ -76,8 +76,14 @@ def _save(directory, model, processor, tokenizer) -> pathlib.Path:
 def build_tiny_vlm(directory, *, seed: int = 0) -> pathlib.Path:
     """The tiny Llava (CLIP tower + Llama) and its processor, saved into ``directory``."""
     import torch
-    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
 
     tokenizer = _tokenizer([IMAGE_TOKEN], IMAGE_TOKEN, seed)
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -104,8 +110,7 @@ def tiny_qwen2_vl(*, seed: int = 0):
     2x2) and ``mm_token_type_ids`` for its multimodal RoPE. Not saved: ``AutoProcessor`` cannot load a
     Qwen2-VL processor where torchvision is missing (its video processor needs it)."""
     import torch
-    from transformers import (Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil,
-                              Qwen2VLProcessor)
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil, Qwen2VLProcessor
 
     class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):  # no video processor (it needs torchvision)
         def check_argument_for_proper_class(self, argument_name, argument):

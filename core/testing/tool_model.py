@@ -34,7 +34,7 @@ def build_tool_model(directory, *, steps: int = 60, seed: int = 0, conversations
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from plait.chat import encode_with_assistant_mask
+    from plait.data.chat import encode_with_assistant_mask
     from plait.manager import make_plugins
 
     base = tiny_model_path()

@@ -30,9 +30,9 @@ from typing import Any, Sequence
 import attrs
 
 from plait import PlaitError, hookimpl
-from plait.online import prompt_text
+from plait.online.scoring import completion_text
+from plait.online.trainer import prompt_text
 from plait.plugins.judges.pairwise import TEMPLATE, parse_choice
-from plait.scoring import completion_text
 
 
 @attrs.define

@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from plait import hookimpl
-from plait.batches import Rollout
+from plait.engine.batches import Rollout
 from plait.errors import PlaitError
 from plait.params import in_range
 

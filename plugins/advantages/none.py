@@ -8,8 +8,8 @@ advantage is only centred. Completions that no reward scored get zero advantage.
 import torch
 
 from plait import hookimpl
-from plait.batches import Rollout
-from plait.scoring import group_mean_std, total_reward
+from plait.engine.batches import Rollout
+from plait.online.scoring import group_mean_std, total_reward
 
 
 def no_scale_advantage(rollout: Rollout, params: None) -> torch.Tensor:

@@ -15,9 +15,9 @@ import attrs
 import torch
 
 from plait import hookimpl
-from plait.batches import Rollout
+from plait.engine.batches import Rollout
+from plait.online.scoring import check_groups, nan_mean_std
 from plait.params import positive
-from plait.scoring import check_groups, nan_mean_std
 
 
 @attrs.frozen
@@ -26,7 +26,7 @@ class NormalizeThenSumParams:
 
 
 def normalize_then_sum_advantage(rollout: Rollout, p: NormalizeThenSumParams) -> torch.Tensor:
-    rewards = rollout.rewards.double()  # [N, K]; float64 as in plait.scoring.nan_mean_std
+    rewards = rollout.rewards.double()  # [N, K]; float64 as in plait.online.scoring.nan_mean_std
     n, k = rewards.shape
     check_groups(n, rollout.group_size)
     grouped = rewards.view(-1, rollout.group_size, k)

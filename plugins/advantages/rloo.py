@@ -14,9 +14,9 @@ import attrs
 import torch
 
 from plait import hookimpl
-from plait.batches import Rollout
+from plait.engine.batches import Rollout
+from plait.online.scoring import group_mean_std, nan_mean_std, total_reward
 from plait.params import positive
-from plait.scoring import group_mean_std, nan_mean_std, total_reward
 
 
 @attrs.frozen

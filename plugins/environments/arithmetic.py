@@ -14,8 +14,8 @@ import re
 import attrs
 
 from plait import hookimpl
-from plait.rollouts import Step, ToolEnvironment
-from plait.tools import resolve_tools
+from plait.online.rollouts import Step, ToolEnvironment
+from plait.online.tools import resolve_tools
 
 from .calculator import calculator
 
@@ -72,7 +72,7 @@ def register_environments(register):
 def correct_answer(completions, answer, **kwargs) -> list[float]:
     """A reward for tool-using episodes: 1.0 when the last number of the final answer equals the
     ``answer`` column, else 0.0 (give it by import path, ``plait.plugins.environments.arithmetic:correct_answer``)."""
-    from plait.scoring import completion_text
+    from plait.online.scoring import completion_text
 
     out = []
     for completion, gold in zip(completions, answer):

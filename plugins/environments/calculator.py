@@ -15,8 +15,8 @@ import operator
 import attrs
 
 from plait import hookimpl
-from plait.rollouts import ToolEnvironment
-from plait.tools import resolve_tools
+from plait.online.rollouts import ToolEnvironment
+from plait.online.tools import resolve_tools
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}

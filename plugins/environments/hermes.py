@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from plait import hookimpl
-from plait.tools import parse_hermes
+from plait.online.tools import parse_hermes
 
 
 @hookimpl

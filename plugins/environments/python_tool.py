@@ -1,6 +1,6 @@
 """``run_python``: a code-executing tool, and the ``env.python`` environment that offers it.
 
-The code runs in a boxed child process (:func:`plait.tools.run_sandboxed`), never in the trainer's
+The code runs in a boxed child process (:func:`plait.online.tools.run_sandboxed`), never in the trainer's
 process: no inherited environment variables (no tokens), a scratch folder removed afterwards, limits
 on CPU time, memory, file size, open files and processes, at most 64 KiB of output, its whole
 process group killed when it returns or times out, and, where the machine allows unprivileged
@@ -18,8 +18,8 @@ from __future__ import annotations
 import attrs
 
 from plait import hookimpl
-from plait.rollouts import ToolEnvironment
-from plait.tools import SANDBOX_OUTPUT_BYTES, Tool, resolve_tools, run_sandboxed
+from plait.online.rollouts import ToolEnvironment
+from plait.online.tools import SANDBOX_OUTPUT_BYTES, Tool, resolve_tools, run_sandboxed
 
 
 def run_python(code: str) -> str:

@@ -20,7 +20,6 @@ GPU), in flat buckets of one dtype: never tensors in an HTTP body.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import ipaddress
 import os
@@ -34,7 +33,8 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 
 from plait.errors import PlaitError
-from plait.generation import SamplingParams
+from plait.online.generation import SamplingParams
+from plait.online.weights import full_shape, materialised
 from plait.paths import cache_dir
 
 WORKER_EXTENSION = "plait.plugins.generation._vllm.WorkerExtension"
@@ -114,104 +114,18 @@ def completion_rows(outputs) -> dict[str, list]:
 # ---------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def policy_parameters(model) -> Iterator[list[tuple[str, Any]]]:
-    """The policy's parameters under Hugging Face names, PEFT adapters merged in.
-
-    ``model`` may be wrapped (DDP, accelerate) or a PEFT model. Plain LoRA layers are merged out
-    of place (base weight + each active adapter's delta, computed when the weight is read), so the
-    frozen base weights are never touched: an in-place merge and unmerge would leave rounding
-    drift in them after every push. Other adapters (DoRA, other tuners) are merged in place for
-    the duration and unmerged after. Tied parameters appear once.
-    """
-    from accelerate.utils import extract_model_from_parallel
-
-    model = extract_model_from_parallel(model)
-    if not (hasattr(model, "peft_config") and hasattr(model, "merge_adapter")):
-        yield list(model.named_parameters())
-        return
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
-    out_of_place = all(_plain_lora(m) for m in layers.values())
-    if not out_of_place:
-        model.merge_adapter()
-    try:
-        prefix = getattr(model.base_model, "prefix", "lora_")
-        named = []
-        for name, param in model.named_parameters():
-            if prefix in name or "original_module" in name:
-                continue  # adapter weights, and the frozen copy of a modules_to_save module
-            owner = name.removesuffix(".base_layer.weight")
-            if out_of_place and owner != name and owner in layers:
-                param = LoraMerged(layers[owner])
-            named.append((_base_name(name), param))
-        yield named
-    finally:
-        if not out_of_place:
-            model.unmerge_adapter()
 
 
-def _plain_lora(module) -> bool:
-    """A LoRA layer whose merge is base + delta (no DoRA or other variant, no LoRA bias)."""
-    from peft.tuners.lora import LoraLayer
-
-    return (isinstance(module, LoraLayer) and not module.merged
-            and not any(a in module.lora_variant or module.lora_bias.get(a, False) for a in module.active_adapters))
 
 
-class LoraMerged:
-    """The weight of a LoRA layer's base layer with its active adapters' deltas added (when read)."""
-
-    def __init__(self, layer):
-        self.layer, self.base = layer, layer.get_base_layer().weight
-        self.shape, self.dtype = self.base.shape, self.base.dtype
-
-    def element_size(self) -> int:
-        return self.base.element_size()
-
-    def value(self) -> torch.Tensor:
-        weight = self.base.detach()
-        if self.layer.disable_adapters:
-            return weight
-        for adapter in self.layer.active_adapters:
-            if adapter in self.layer.lora_A or adapter in self.layer.lora_embedding_A:
-                weight = weight + self.layer.get_delta_weight(adapter).detach().to(weight.dtype)
-        return weight
 
 
-def _base_name(name: str) -> str:
-    """A PEFT parameter name as the base model has it."""
-    name = name.removeprefix("base_model.model.")
-    return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
 
 
-@contextlib.contextmanager
-def full_tensor(param: torch.Tensor) -> Iterator[torch.Tensor]:
-    """The whole of a parameter, gathered first when training shards it (FSDP2 DTensor, ZeRO-3)."""
-    if isinstance(param, LoraMerged):
-        with torch.no_grad():
-            yield param.value()
-    elif hasattr(param, "full_tensor"):  # DTensor (FSDP2, tensor parallel)
-        yield param.full_tensor().detach()
-    elif hasattr(param, "ds_id"):  # DeepSpeed ZeRO-3: every rank takes part in the gather
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([param]):
-            yield param.data
-    else:
-        yield param.detach()
 
 
-def full_shape(param: torch.Tensor) -> tuple[int, ...]:
-    return tuple(getattr(param, "ds_shape", None) or param.shape)
 
 
-def materialised(named: Sequence[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, whole tensor) one at a time; a gathered tensor lives until the consumer asks for the next."""
-    for name, param in named:
-        with full_tensor(param) as tensor:
-            yield name, tensor
 
 
 # ---------------------------------------------------------------------------------------------

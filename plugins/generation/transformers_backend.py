@@ -7,7 +7,7 @@ batch (to a multiple of ``pad_to_multiple_of`` when set); each row stops at an E
 tokens sampled after it (padding) are cut off, so completion ids come back without padding.
 Dropout is off while sampling and the model's training mode is restored afterwards.
 
-Config fields it reads (:class:`plait.generation.GenerationChoice`): ``generation_max_batch_size``
+Config fields it reads (:class:`plait.online.generation.GenerationChoice`): ``generation_max_batch_size``
 (rows per ``generate`` call), ``cache_implementation`` (the KV cache ``generate`` builds, e.g.
 "static"), ``pad_to_multiple_of``, and ``use_transformers_continuous_batching`` (or TRL's older
 ``use_transformers_paged``): then every prompt goes to transformers' continuous-batching engine
@@ -29,11 +29,18 @@ from accelerate.utils import extract_model_from_parallel
 from transformers import GenerationConfig
 
 from plait import hookimpl
-from plait.chat import tokenizer_of
+from plait.data.chat import tokenizer_of
+from plait.data.vision import RowInputs, image_token_ids
 from plait.errors import PlaitError
-from plait.vision import RowInputs, image_token_ids
-from plait.generation import (GenerationBackend, Generations, SamplingParams, encode_prompts, eos_token_ids,
-                              padded_width, padding_multiple)
+from plait.online.generation import (
+    GenerationBackend,
+    Generations,
+    SamplingParams,
+    encode_prompts,
+    eos_token_ids,
+    padded_width,
+    padding_multiple,
+)
 
 NAME = "generation.transformers"
 CACHE_SIZE_FIELDS = ("num_blocks", "max_batch_tokens", "max_memory_percent")  # any of them: the user sizes the cache
@@ -89,7 +96,7 @@ class TransformersBackend(GenerationBackend):
 
     @torch.no_grad()
     def generate(self, prompts, sampling: SamplingParams, images: RowInputs | None = None) -> Generations:
-        """``images``: a VLM's per-prompt image inputs (:class:`plait.vision.RowInputs`), one row per prompt."""
+        """``images``: a VLM's per-prompt image inputs (:class:`plait.data.vision.RowInputs`), one row per prompt."""
         if sampling.structured_outputs_regex is not None:
             raise PlaitError(_no_regex(sampling.structured_outputs_regex))
         prompt_ids = encode_prompts(self.processing_class, prompts)

@@ -8,7 +8,7 @@ reference through vLLM's in-place reload, and the prefix cache is reset. Complet
 with vLLM's per-token log-probs, which the trainer compares with its own to correct for the
 engine's numerics (``vllm_importance_sampling_*``).
 
-Config fields (:class:`plait.generation.GenerationChoice`; TRL's names): ``vllm_gpu_memory_utilization``,
+Config fields (:class:`plait.online.generation.GenerationChoice`; TRL's names): ``vllm_gpu_memory_utilization``,
 ``vllm_tensor_parallel_size``, ``vllm_max_model_length``, ``vllm_enable_sleep_mode``,
 ``vllm_model_impl``, and plait's ``vllm_dtype``, ``vllm_kv_cache_memory_bytes``,
 ``vllm_enable_prefix_caching``, ``vllm_engine_kwargs``, ``vllm_seed``; ``vllm_structured_outputs_regex``
@@ -24,13 +24,20 @@ from typing import ClassVar
 import attrs
 
 from plait import hookimpl
-from plait.chat import tokenizer_of
+from plait.data.chat import tokenizer_of
 from plait.errors import PlaitError
-from plait.generation import (GenerationBackend, Generations, SamplingParams, backend_options, encode_prompts,
-                              eos_token_ids)
+from plait.online.generation import (
+    GenerationBackend,
+    Generations,
+    SamplingParams,
+    backend_options,
+    encode_prompts,
+    eos_token_ids,
+)
+from plait.online.weights import materialised, policy_parameters
 from plait.params import in_range
 
-from ._vllm import Engine, materialised, on_cpu, policy_parameters, refuse_transformers_options
+from ._vllm import Engine, on_cpu, refuse_transformers_options
 
 NAME = "generation.vllm_colocate"
 

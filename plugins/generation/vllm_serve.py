@@ -212,7 +212,7 @@ def placement(index: int, engines: int, tensor_parallel_size: int) -> dict[str, 
 def engine_process(conn, model: str, options: dict, environment: dict) -> None:
     """One engine: build it, then answer (command, args) messages until told to close."""
     os.environ.update(environment)
-    from plait.generation import SamplingParams
+    from plait.online.generation import SamplingParams
     from plait.plugins.generation._vllm import Engine, on_cpu
 
     try:
@@ -553,7 +553,7 @@ class Handler(BaseHTTPRequestHandler):
                 "max_body_bytes": self.server.max_body_bytes}
 
     def generate(self, body: dict) -> dict:
-        from plait.generation import SamplingParams, encode_prompts
+        from plait.online.generation import SamplingParams, encode_prompts
 
         prompts = body["prompts"]
         if not isinstance(prompts, list) or not prompts:

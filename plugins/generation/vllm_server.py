@@ -13,7 +13,7 @@ Every request carries the server's token: ``vllm_server_token``, else the file
 ``vllm_server_token_file``, else PLAIT_VLLM_TOKEN, else (for a server on loopback) the file a
 ``plait vllm-serve`` on this machine generated for its port (:func:`~._vllm.token_path`).
 
-Config fields (:class:`plait.generation.GenerationChoice`; TRL's names): ``vllm_server_base_url``,
+Config fields (:class:`plait.online.generation.GenerationChoice`; TRL's names): ``vllm_server_base_url``,
 ``vllm_server_host``, ``vllm_server_port``, ``vllm_server_timeout``, ``vllm_group_port``, and
 plait's ``vllm_server_token``, ``vllm_server_token_file`` and ``vllm_server_request_timeout``;
 ``vllm_structured_outputs_regex`` travels with each request's sampling options.
@@ -37,14 +37,30 @@ import attrs
 import torch
 
 from plait import hookimpl
-from plait.chat import tokenizer_of
+from plait.data.chat import tokenizer_of
 from plait.errors import PlaitError
-from plait.generation import (GenerationBackend, Generations, SamplingParams, backend_options, encode_prompts,
-                              eos_token_ids)
+from plait.online.generation import (
+    GenerationBackend,
+    Generations,
+    SamplingParams,
+    backend_options,
+    encode_prompts,
+    eos_token_ids,
+)
+from plait.online.weights import materialised, policy_parameters
 from plait.params import positive
 
-from ._vllm import (TOKEN_ENV, bucket_layout, is_loopback, materialised, policy_parameters, read_token,
-                    refuse_transformers_options, send_buckets, session_prefix, token_path, weight_group)
+from ._vllm import (
+    TOKEN_ENV,
+    bucket_layout,
+    is_loopback,
+    read_token,
+    refuse_transformers_options,
+    send_buckets,
+    session_prefix,
+    token_path,
+    weight_group,
+)
 
 NAME = "generation.vllm_server"
 RETRY_DELAYS = (0.5, 1.0, 2.0)  # between tries of an idempotent call

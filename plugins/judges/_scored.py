@@ -8,7 +8,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from plait.scoring import RewardFunction, compute_rewards, reward_weights
+from plait.online.scoring import RewardFunction, compute_rewards, reward_weights
 
 
 def prefer(first: Tensor, second: Tensor) -> Tensor:

@@ -23,10 +23,10 @@ from typing import Any, Sequence
 import attrs
 
 from plait import PlaitError, hookimpl
-from plait.chat import has_chat_template
-from plait.generation import SamplingParams, encode_prompts
-from plait.online import prompt_text
-from plait.scoring import completion_text
+from plait.data.chat import has_chat_template
+from plait.online.generation import SamplingParams, encode_prompts
+from plait.online.scoring import completion_text
+from plait.online.trainer import prompt_text
 
 TEMPLATE = """Two answers to the same request follow. Decide which one answers it better: more helpful, \
 correct and clear. Reply with a single digit, 0 for the first answer or 1 for the second.
@@ -83,7 +83,8 @@ class PairwiseJudge:
     def _start(self) -> None:
         import torch
 
-        from plait.models import load_model, load_tokenizer
+        from plait.data.tokenizer import load_tokenizer
+        from plait.engine.models import load_model
 
         p = self.params
         source = os.path.expanduser(p.model) if isinstance(p.model, str) else p.model
@@ -125,7 +126,7 @@ def pairwise_judge(params: PairwiseParams, plugins=None) -> PairwiseJudge:
         from plait.manager import default_plugins
 
         plugins = default_plugins()
-    from plait.preflight import model_source
+    from plait.data.preflight import model_source
 
     model_source(params.model, "judge.model")  # a missing folder fails now, before the policy loads
     backend = plugins.generation_backends.get(params.backend, family="generation")  # unknown names fail now

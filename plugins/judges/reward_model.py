@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 
 from plait import PlaitError, hookimpl
-from plait.scoring import resolve_reward_funcs
+from plait.online.scoring import resolve_reward_funcs
 
 from ._scored import ScoredJudge
 

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from plait import PlaitError, hookimpl
-from plait.scoring import ON_ERROR, resolve_reward_funcs
+from plait.online.scoring import ON_ERROR, resolve_reward_funcs
 
 from ._scored import ScoredJudge
 

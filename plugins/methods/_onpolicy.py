@@ -9,7 +9,7 @@ micro-batches each pass (PPO's epochs × minibatches; distillation uses one pass
 
 The data loader hands out the same prompts for every micro-step of a rollout (so the
 transformers Trainer counts steps and epochs correctly); only the first of them is sampled from.
-GRPO's grouped sampler (:class:`plait.online.GroupSampler`) does this with groups of one.
+GRPO's grouped sampler (:class:`plait.online.trainer.GroupSampler`) does this with groups of one.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import torch
 from torch import Tensor
 
 from plait import PlaitError
-from plait.chat import is_conversational
-from plait.generation import GenerationChoice, Generations, SamplingParams, padding_multiple, resolve_backend
-from plait.objective import LossChoice
-from plait.online import CompletionsTable, GroupSampler, PromptData, RolloutBuffer, pack, split_rows
+from plait.data.chat import is_conversational
+from plait.engine.objective import LossChoice
+from plait.engine.trainer import PlaitTrainer
+from plait.online.generation import GenerationChoice, Generations, SamplingParams, padding_multiple, resolve_backend
+from plait.online.trainer import CompletionsTable, GroupSampler, PromptData, RolloutBuffer, pack, split_rows
 from plait.params import int_at_least
-from plait.trainer import PlaitTrainer
 
 __all__ = ["OnPolicyParams", "OnPolicyTrainer", "pack", "split_rows"]
 
@@ -34,7 +34,7 @@ __all__ = ["OnPolicyParams", "OnPolicyTrainer", "pack", "split_rows"]
 @attrs.define
 class OnPolicyParams(GenerationChoice, LossChoice):
     """Sampling and data knobs every on-policy method shares, and its losses; names follow TRL's configs.
-    How completions are sampled and logged is :class:`plait.generation.GenerationChoice`.
+    How completions are sampled and logged is :class:`plait.online.generation.GenerationChoice`.
 
     Subclasses add ``temperature`` and the completion length under their own default, and name
     their ``default_loss``.
@@ -136,7 +136,7 @@ class OnPolicyTrainer(PromptData, CompletionsTable, PlaitTrainer):
         return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def pack_rollout(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> dict:
-        """:func:`plait.online.pack` on this trainer's device, padded to ``pad_to_multiple_of``."""
+        """:func:`plait.online.trainer.pack` on this trainer's device, padded to ``pad_to_multiple_of``."""
         return pack(prompt_ids, completion_ids, self.pad_id(), self.accelerator.device, self.padding_multiple)
 
     def completion_texts(self, inputs: dict, generations: Generations) -> tuple[list, list]:

@@ -4,7 +4,7 @@ Their data is DPO's: preference rows prepared as ``plait dpo`` prepares them (pr
 rejected ids; ``keep_start`` truncation at ``max_length``, a pair whose prompt leaves no room
 dropped) and collated by ``collator.preference`` into 2B rows [chosen…; rejected…]. One forward
 gives the policy's summed completion log-probs; no reference model is loaded, so the
-:class:`plait.batches.PreferenceLogps` the losses get carries zeros as the reference's log-probs,
+:class:`plait.engine.batches.PreferenceLogps` the losses get carries zeros as the reference's log-probs,
 and a ``dpo.*`` loss composed with them is its reference-free form. What TRL 1.16 logs comes from
 the first loss that registers ``metrics=`` (rewards/*, logps/*, ORPO's log-odds).
 """
@@ -17,13 +17,12 @@ import attrs
 import torch
 
 from plait import PlaitError
-from plait.batches import PreferenceLogps, masked_mean
-from plait.data import prepare_dataset
-from plait.objective import LossChoice, Objective
+from plait.data.prepare import prepare_dataset
+from plait.engine.batches import PreferenceLogps, masked_mean
+from plait.engine.layout import pad_multiple_field, row_token_logprobs
+from plait.engine.objective import LossChoice, Objective
+from plait.engine.trainer import PlaitTrainer
 from plait.params import positive
-from plait.plugins.data._collate import pad_multiple_field, row_token_logprobs
-from plait.trainer import PlaitTrainer
-
 
 # TrainingArguments defaults TRL 1.16's ORPOConfig and CPOConfig override
 CONFIG_DEFAULTS = {"learning_rate": 1e-6, "logging_steps": 10, "remove_unused_columns": False, "disable_dropout": True}

@@ -1,6 +1,6 @@
 """The frozen reference of the offline preference methods (DPO, KTO), in one place.
 
-Both regularise the policy towards a reference π_ref (:class:`plait.models.Reference`): a
+Both regularise the policy towards a reference π_ref (:class:`plait.engine.models.Reference`): a
 separate frozen model (a copy of the policy, or ``ref_model``), with ``peft_config`` and no
 ``ref_model`` the policy with its adapters off, or for a policy already wrapped in PEFT a frozen
 copy of its adapter. With ``precompute_ref_log_probs`` the reference's log-probs are computed
@@ -16,14 +16,14 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from plait.models import Reference, SyncReference, cached_tensors
-from plait.plugins.data._collate import flat_index, pad_token_id, rows_from_flat
-from plait.trainer import PlaitTrainer
+from plait.engine.layout import flat_index, pad_token_id, rows_from_flat
+from plait.engine.models import Reference, SyncReference, cached_tensors
+from plait.engine.trainer import PlaitTrainer
 
 
 class ReferenceTrainer(PlaitTrainer):
     """Base of offline methods with a reference; their params inherit
-    :class:`plait.models.ReferenceSync` and have ``ref_model_init_kwargs``,
+    :class:`plait.engine.models.ReferenceSync` and have ``ref_model_init_kwargs``,
     ``precompute_ref_log_probs``, ``precompute_ref_batch_size``, ``max_length``,
     ``truncation_mode`` and ``pad_to_multiple_of``."""
 

@@ -16,7 +16,7 @@ out) is dropped, regenerated from the current weights and counted (``async/dropp
 every ``weight_sync_steps`` optimizer steps, so ``weight_sync_steps`` ≤ ``max_staleness`` + 1.
 
 **Correction.** The worker returns the sampler's log-probs of every completion token, so the
-trainer's importance-sampling correction (:mod:`plait.importance_sampling`, TRL's
+trainer's importance-sampling correction (:mod:`plait.online.importance_sampling`, TRL's
 ``vllm_importance_sampling_*`` fields) weights each stale sample by π_θ(y)/π_v(y), bounded and
 truncated or masked as configured, and the clip ratio is taken against the current policy.
 
@@ -53,9 +53,10 @@ from accelerate.utils import extract_model_from_parallel
 from transformers import TrainerCallback
 
 from plait import Method, PlaitError, hookimpl
-from plait.config import method_config
-from plait.generation import Generations, SamplingParams
-from plait.online import completion_columns, pack
+from plait.engine.config import method_config
+from plait.online.generation import Generations, SamplingParams
+from plait.online.trainer import completion_columns, pack
+from plait.online.weights import full_tensor, policy_parameters
 from plait.params import int_at_least
 
 from .grpo import GRPOParams, GRPOTrainer
@@ -157,8 +158,6 @@ class RolloutWorker:
 def _copy_weights(model, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The policy's weights under the base model's names (PEFT adapters merged) copied ``into`` the
     given CPU tensors, or into new ones."""
-    from plait.plugins.generation._vllm import full_tensor, policy_parameters
-
     out = {} if into is None else into
     with torch.no_grad(), policy_parameters(model) as named:
         for name, param in named:
@@ -283,7 +282,7 @@ def _serve(config, shared, version, condition, stop, requests, replies, processi
     try:
         from transformers import AutoModelForCausalLM
 
-        from plait.logprobs import token_logprobs
+        from plait.engine.logprobs import token_logprobs
         from plait.plugins.generation.transformers_backend import TransformersBackend
 
         dtype = next(iter(shared.values())).dtype

@@ -12,7 +12,7 @@ from __future__ import annotations
 import attrs
 
 from plait import Method, PlaitError, hookimpl
-from plait.config import method_config
+from plait.engine.config import method_config
 from plait.params import finite, in_range, non_negative
 
 from ._preference import CONFIG_DEFAULTS, PreferenceParams, PreferenceTrainer

@@ -8,7 +8,7 @@ the generalised JSD) compares the student's and the teacher's next-token distrib
 same temperature. The loss is summed over completion tokens and divided by their count over the
 whole optimizer step (every micro-batch and process), so gradient accumulation is exact.
 
-Neither model's [B, T, V] logits are formed: :func:`plait.logprobs.compare_distributions` runs
+Neither model's [B, T, V] logits are formed: :func:`plait.engine.logprobs.compare_distributions` runs
 both models once, captures their final hidden states and projects a chunk of positions at a time
 through each model's own output layer. The teacher may be larger (another hidden size) but must
 share the student's vocabulary; that is checked when the trainer is built.
@@ -21,15 +21,15 @@ import torch
 from transformers import AutoTokenizer, PreTrainedModel
 
 from plait import Method, PlaitError, hookimpl
-from plait.batches import TokenDistributions, masked_mean
-from plait.config import method_config
-from plait.logprobs import compare_distributions
-from plait.models import load_model, pretrained_kwargs
-from plait.objective import Objective
+from plait.data.pretrained import pretrained_kwargs
+from plait.engine.batches import TokenDistributions, masked_mean
+from plait.engine.config import method_config
+from plait.engine.logprobs import compare_distributions
+from plait.engine.models import load_model
+from plait.engine.objective import Objective
 from plait.params import in_range, positive
 
 from ._onpolicy import OnPolicyParams, OnPolicyTrainer
-
 
 HUB_KWARGS = ("revision", "cache_dir", "local_files_only", "token")  # where the teacher's tokenizer is found too
 

@@ -2,7 +2,7 @@
 
 One forward over 2B rows [chosen…; rejected…] gives the policy's summed completion log-probs;
 the reference's come from a frozen copy, the policy with adapters off (PEFT), or a precomputed
-cache. The method packs both into a :class:`plait.batches.PreferenceLogps` with the configured
+cache. The method packs both into a :class:`plait.engine.batches.PreferenceLogps` with the configured
 f-divergence and hands it to the composed ``dpo.*`` losses; it never names a loss itself.
 """
 
@@ -14,14 +14,14 @@ import attrs
 import torch
 
 from plait import Method, PlaitError, hookimpl
-from plait.batches import PreferenceLogps, masked_mean
-from plait.config import method_config
-from plait.data import prepare_dataset
-from plait.divergences import f_divergence
-from plait.models import ReferenceSync
-from plait.objective import LossChoice, Objective
+from plait.data.prepare import prepare_dataset
+from plait.engine.batches import PreferenceLogps, masked_mean
+from plait.engine.config import method_config
+from plait.engine.divergences import f_divergence
+from plait.engine.layout import pad_multiple_field, row_token_logprobs
+from plait.engine.models import ReferenceSync
+from plait.engine.objective import LossChoice, Objective
 from plait.params import in_range, positive
-from plait.plugins.data._collate import pad_multiple_field, row_token_logprobs
 from plait.plugins.data.collators.preference import preference_collator_name
 
 from ._reference import ReferenceTrainer
@@ -45,9 +45,9 @@ class DPOParams(ReferenceSync, LossChoice):
     truncation_mode: str = "keep_start"
     pad_to_multiple_of: int | str | None = pad_multiple_field()
     # chosen and rejected sequences back to back in one row, no padding (plait.plugins.data.collators.preference);
-    # None: where the models' attention runs per sequence (plait.attention; TRL 1.16 defaults False)
+    # None: where the models' attention runs per sequence (plait.engine.attention; TRL 1.16 defaults False)
     padding_free: bool | None = None
-    # plait's: in a padding-free batch each pair's prompt is computed once (plait.attention.packed_segments);
+    # plait's: in a padding-free batch each pair's prompt is computed once (plait.engine.attention.packed_segments);
     # None: where the models' attention can (plait_sdpa)
     prefix_sharing: bool | None = None
     # DiscoPOP's temperature (loss_type='discopop'; Lu et al. 2024)

@@ -12,7 +12,7 @@ compared untempered.
 
 Everything else is the on-policy distillation method's (:mod:`plait.plugins.methods.distill`):
 the teacher checks, the generation backends, the loss normalised by the completion tokens of the
-whole optimizer step, and :func:`plait.logprobs.compare_distributions`, which never forms either
+whole optimizer step, and :func:`plait.engine.logprobs.compare_distributions`, which never forms either
 model's [B, T, V] logits. ``lmbda=1`` with ``temperature`` 1 is ``distill`` itself.
 """
 
@@ -24,10 +24,10 @@ import attrs
 import torch
 
 from plait import Method, PlaitError, hookimpl
-from plait.config import method_config
-from plait.chat import tokenizer_of
-from plait.data import prepare_dataset
-from plait.generation import Generations
+from plait.data.chat import tokenizer_of
+from plait.data.prepare import prepare_dataset
+from plait.engine.config import method_config
+from plait.online.generation import Generations
 from plait.params import in_range, int_at_least, positive
 
 from .distill import DistillTrainer, TeacherParams

@@ -6,7 +6,7 @@ point z is the policy/reference log-ratio on *mismatched* pairs (prompt i with t
 of another example), averaged over every process and clamped at 0, without gradient (paper,
 Sec. 4.1). Each row's partner is fixed when the data is prepared (:func:`mismatched_partners`):
 never a row with the same prompt, and under TRL's default sequential sampling one of the rows
-of its own batch. The method packs the log-probs into a :class:`plait.batches.UnpairedLogps`
+of its own batch. The method packs the log-probs into a :class:`plait.engine.batches.UnpairedLogps`
 and hands it to the composed ``kto.*`` losses (``kto.kto`` by default, ``kto.apo_zero_unpaired``).
 The reference is handled as in DPO: a frozen copy, the policy with adapters off under PEFT, a
 frozen adapter copy for a PEFT policy, or log-probs precomputed once; TR-DPO's sync applies.
@@ -23,13 +23,13 @@ import attrs
 import torch
 
 from plait import Method, hookimpl
-from plait.batches import UnpairedLogps
-from plait.config import method_config
-from plait.data import prepare_dataset
-from plait.models import ReferenceSync
-from plait.objective import LossChoice, Objective
+from plait.data.prepare import prepare_dataset
+from plait.engine.batches import UnpairedLogps
+from plait.engine.config import method_config
+from plait.engine.layout import pad_multiple_field, row_token_logprobs
+from plait.engine.models import ReferenceSync
+from plait.engine.objective import LossChoice, Objective
 from plait.params import positive
-from plait.plugins.data._collate import pad_multiple_field, row_token_logprobs
 
 from ._reference import ReferenceTrainer
 
@@ -50,11 +50,11 @@ class KTOParams(ReferenceSync, LossChoice):
     truncation_mode: str = "keep_start"
     pad_to_multiple_of: int | str | None = pad_multiple_field()
     # plait's (TRL 1.16's KTOConfig has none): each side's sequences back to back in one row, no padding;
-    # None: where the models' attention runs per sequence (plait.attention)
+    # None: where the models' attention runs per sequence (plait.engine.attention)
     padding_free: bool | None = None
     # plait's: in a padding-free batch each distinct prompt computed once, and the reference scores a row
     # and its mismatched pair in one forward over the prompt; None: where the models' attention reads
-    # branches (plait.attention.shares_prefixes)
+    # branches (plait.engine.attention.shares_prefixes)
     prefix_sharing: bool | None = None
     precompute_ref_log_probs: bool = False
     precompute_ref_batch_size: int | None = None

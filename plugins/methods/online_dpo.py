@@ -2,14 +2,14 @@
 Language Model Alignment from Online AI Feedback", §3, Algorithm 1).
 
 Per micro-batch of prompts the policy samples two completions for each through the configured
-generation backend (:class:`plait.generation.GenerationChoice`: transformers, vLLM colocate or
+generation backend (:class:`plait.online.generation.GenerationChoice`: transformers, vLLM colocate or
 server, as GRPO). A judge (``register_judges``: ``judge.reward_model``, ``judge.rules``,
 ``judge.pairwise`` or a third party's) names the better one; the pair, chosen first, goes through
 the composed ``dpo.*`` losses (``dpo.sigmoid`` by default, TRL's ``loss_type`` or plait's ``loss``
-list) against the reference (:class:`plait.models.Reference`: a frozen copy, ``ref_model``, or the
+list) against the reference (:class:`plait.engine.models.Reference`: a frozen copy, ``ref_model``, or the
 policy with its adapters off). A tie (-1) keeps the pair out of the loss (it still counts in the
 metrics). The sampling, the data of prompts, the completions table and the buffer are
-:class:`plait.online.OnlineTrainer`'s; only the pairing and the loss are this module's.
+:class:`plait.online.trainer.OnlineTrainer`'s; only the pairing and the loss are this module's.
 
 TRL 1.16's OnlineDPOTrainer takes ``reward_funcs`` (summed with ``reward_weights``) where older
 TRL took a ``judge``; plait takes both: ``reward_funcs`` (or ``reward_model_path``) become a
@@ -26,16 +26,16 @@ import attrs
 import torch
 
 from plait import Method, PlaitError, hookimpl
-from plait.batches import PreferenceLogps
-from plait.chat import is_conversational
-from plait.config import method_config
-from plait.generation import resolve_backend
-from plait.models import Reference
-from plait.objective import Objective
-from plait.online import (GenerationSizes, OnlineParams, OnlineTrainer, RolloutBuffer, completion_columns, pack)
+from plait.data.chat import is_conversational
+from plait.engine.batches import PreferenceLogps
+from plait.engine.config import method_config
+from plait.engine.models import Reference
+from plait.engine.objective import Objective
+from plait.engine.trainer import PlaitTrainer
+from plait.online.generation import resolve_backend
+from plait.online.trainer import GenerationSizes, OnlineParams, OnlineTrainer, RolloutBuffer, completion_columns, pack
 from plait.params import int_at_least, positive
 from plait.registry import Component
-from plait.trainer import PlaitTrainer
 
 PAIR = 2  # completions per prompt
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import attrs
 
 from plait import Method, hookimpl
-from plait.config import method_config
+from plait.engine.config import method_config
 
 from ._preference import CONFIG_DEFAULTS, PreferenceParams, PreferenceTrainer
 

@@ -5,7 +5,7 @@ from Human Preferences"), with the clipped objective of Schulman et al. 2017. Ea
 
 1. the policy samples one completion per prompt through the configured generation backend;
 2. the reward functions (a reward-model path or sequence classifier, or any registered reward,
-   resolved by :mod:`plait.scoring`) score it; ``missing_eos_penalty`` is subtracted from
+   resolved by :mod:`plait.online.scoring`) score it; ``missing_eos_penalty`` is subtracted from
    completions that never produced EOS;
 3. per token, the KL to the reference (k1: log π − log π_ref, or k3) is a penalty:
    r_t = −kl_coef·KL_t, plus the score on the last completion token (optionally whitened);
@@ -38,14 +38,20 @@ from transformers import AutoModelForSequenceClassification, PreTrainedModel, Tr
 from transformers.trainer_callback import ExportableState
 
 from plait import Method, PlaitError, hookimpl
-from plait.batches import PolicyTokens, Rollout, ValueTokens, masked_mean
-from plait.config import method_config
-from plait.logprobs import token_logprobs
-from plait.models import Reference, load_model
-from plait.objective import Objective, normalise_loss_specs
+from plait.engine.batches import PolicyTokens, Rollout, ValueTokens, masked_mean
+from plait.engine.config import method_config
+from plait.engine.logprobs import token_logprobs
+from plait.engine.models import Reference, load_model
+from plait.engine.objective import Objective, normalise_loss_specs
+from plait.online.scoring import (
+    RewardChoice,
+    UnscoredBatches,
+    compute_rewards,
+    resolve_advantage_estimator,
+    resolve_reward_funcs,
+    reward_weights,
+)
 from plait.params import in_range, int_at_least, non_negative, one_of, positive
-from plait.scoring import (RewardChoice, UnscoredBatches, compute_rewards, resolve_advantage_estimator,
-                           resolve_reward_funcs, reward_weights)
 
 from ._onpolicy import OnPolicyParams, OnPolicyTrainer
 
@@ -135,7 +141,7 @@ def value_head(model: nn.Module, field: str = "value_model") -> nn.Module:
 
 def token_values(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
     """V(x_{≤t−1}) aligned to token t, ``[B, T]`` float32 (0 at t = 0): the value of the state
-    in which token t was chosen, the same alignment as :func:`plait.logprobs.token_logprobs`."""
+    in which token t was chosen, the same alignment as :func:`plait.engine.logprobs.token_logprobs`."""
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     values = value_head(model)(hidden).squeeze(-1).float()
@@ -146,7 +152,7 @@ class PolicyAndValue(nn.Module):
     """Policy and value model as one trained module: one optimizer, one DDP wrapper, one forward.
 
     The forward returns the policy's output with ``values`` [B, T] added; it exposes the policy's
-    output layer and config so :func:`plait.logprobs.token_logprobs` treats it as the policy.
+    output layer and config so :func:`plait.engine.logprobs.token_logprobs` treats it as the policy.
     """
 
     def __init__(self, policy: nn.Module, value_model: nn.Module):

@@ -3,7 +3,7 @@
 Lightman et al. 2023, "Let's Verify Step by Step" (§2.4: the PRM predicts each step's correctness
 after the step's last token) and Uesato et al. 2022. Rows are TRL's stepwise supervision:
 ``{prompt, completions: [step, ...], labels: [bool, ...]}``. Each row becomes the token layout of
-:mod:`plait.plugins._stepwise` (prompt, then every step followed by ``step_separator``), labelled
+:mod:`plait.data.stepwise` (prompt, then every step followed by ``step_separator``), labelled
 at the last token of each separator with 1 (correct) or 0 and -100 elsewhere;
 ``train_on_last_step_only`` keeps only the last step's label in training (evaluation reads every
 step). An ``AutoModelForTokenClassification`` with two labels reads the sequence, and the loss is
@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from transformers import AutoModelForTokenClassification
 
 from plait import Method, PlaitError, hookimpl
-from plait.chat import is_conversational
-from plait.config import method_config
+from plait.data.chat import is_conversational
+from plait.data.stepwise import encode_steps, separator_ids
+from plait.engine.config import method_config
+from plait.engine.trainer import PlaitTrainer
 from plait.params import int_at_least
-from plait.plugins._stepwise import encode_steps, separator_ids
-from plait.trainer import PlaitTrainer
 
 from .reward_model import head_trainable
 

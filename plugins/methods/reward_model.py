@@ -3,7 +3,7 @@
 Ouyang et al. 2022, "Training language models to follow instructions with human feedback",
 §3.5 and eq. 1. The backbone with a scalar head reads prompt + completion and scores the last
 non-pad token; one forward over ``2B`` rows [chosen…; rejected…] gives the rewards of both sides,
-packed into a :class:`plait.batches.PairwiseRewards` (with the dataset's optional per-pair
+packed into a :class:`plait.engine.batches.PairwiseRewards` (with the dataset's optional per-pair
 ``margin`` column) for the composed ``reward_model.*`` losses (Bradley-Terry by default, with
 ``center_rewards_coefficient`` shared into it). The saved folder is an ordinary
 ``AutoModelForSequenceClassification`` checkpoint, usable by path as a reward in GRPO/RLOO.
@@ -19,14 +19,14 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from plait import Method, PlaitError, hookimpl
-from plait.batches import PairwiseRewards
-from plait.config import method_config
-from plait.data import prepare_dataset
-from plait.objective import LossChoice, Objective
+from plait.data.prepare import prepare_dataset
+from plait.engine.batches import PairwiseRewards
+from plait.engine.config import method_config
+from plait.engine.layout import contiguous_index, pad_multiple_field, pad_token_id
+from plait.engine.objective import LossChoice, Objective
+from plait.engine.trainer import PlaitTrainer
 from plait.params import non_negative, positive
-from plait.plugins.data._collate import contiguous_index, pad_multiple_field, pad_token_id
 from plait.plugins.data.collators.preference import preference_collator_name
-from plait.trainer import PlaitTrainer
 
 logger = logging.getLogger("plait")
 
@@ -44,9 +44,9 @@ class RewardParams(LossChoice):
     truncation_mode: str | None = None
     pad_to_multiple_of: int | str | None = pad_multiple_field()
     # plait's (TRL 1.16's RewardConfig has none): the 2B sequences back to back in one row, no padding;
-    # None: where the model's attention runs per sequence (plait.attention) and it has a score head
+    # None: where the model's attention runs per sequence (plait.engine.attention) and it has a score head
     padding_free: bool | None = None
-    # plait's: in a padding-free batch each pair's prompt is computed once (plait.attention.packed_segments);
+    # plait's: in a padding-free batch each pair's prompt is computed once (plait.engine.attention.packed_segments);
     # None: where the model's attention can (plait_sdpa)
     prefix_sharing: bool | None = None
     model_init_kwargs: dict | None = None

@@ -1,6 +1,6 @@
 """RLOO: REINFORCE Leave-One-Out (Ahmadian et al. 2024, "Back to Basics", §3.2).
 
-Same sampling and scoring as GRPO (:class:`plait.online.OnlineTrainer`), with RLOO's own
+Same sampling and scoring as GRPO (:class:`plait.online.trainer.OnlineTrainer`), with RLOO's own
 choices: the reward is penalised by the sequence-level KL to the reference,
 
     R_i ← R_i − β·Σ_t (log π_old − log π_ref)        (β = beta, default 0.05),
@@ -16,11 +16,11 @@ import attrs
 import torch
 
 from plait import Method, PlaitError, hookimpl
-from plait.batches import PolicyTokens, Rollout
-from plait.config import method_config
-from plait.online import OnlineParams, OnlineTrainer
+from plait.engine.batches import PolicyTokens, Rollout
+from plait.engine.config import method_config
+from plait.online.scoring import total_reward
+from plait.online.trainer import OnlineParams, OnlineTrainer
 from plait.params import non_negative
-from plait.scoring import total_reward
 
 SHARED_LOSS_FIELDS = ("epsilon", "epsilon_high", "delta")
 

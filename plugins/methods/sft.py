@@ -10,7 +10,6 @@ whole accumulated batch so gradient accumulation and several processes give the 
 from __future__ import annotations
 
 import logging
-
 from typing import Callable
 
 import attrs
@@ -19,20 +18,20 @@ import torch.nn.functional as F
 from datasets import Dataset
 
 from plait import Method, PlaitError, hookimpl
-from plait.batches import TokenLogps
-from plait.config import method_config
-from plait.data import pack_dataset, prepare_dataset
-from plait.objective import LossChoice, Objective
+from plait.data.prepare import pack_dataset, prepare_dataset
+from plait.data.vision import model_inputs as extra_model_inputs
+from plait.engine.batches import TokenLogps
+from plait.engine.config import method_config
+from plait.engine.layout import pad_multiple_field
+from plait.engine.objective import LossChoice, Objective
+from plait.engine.trainer import PlaitTrainer
 from plait.params import positive
-from plait.plugins.data._collate import pad_multiple_field
-from plait.trainer import PlaitTrainer
-from plait.vision import model_inputs as extra_model_inputs
 
 logger = logging.getLogger("plait")
 
 SKIP_PREPARE = "skip_prepare_dataset"
 # TRL 1.16 keeps "chunked_nll" as a deprecated name of "nll": the same loss, computed without full
-# logits. plait's log-prob path never forms full logits (plait.logprobs), so the name maps to sft.nll.
+# logits. plait's log-prob path never forms full logits (plait.engine.logprobs), so the name maps to sft.nll.
 LOSS_ALIASES = {"chunked_nll": "nll"}
 
 
@@ -174,7 +173,7 @@ class SFTTrainer(PlaitTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels = inputs["labels"]
         model_inputs = {**{k: inputs[k] for k in ("attention_mask", "position_ids") if k in inputs},
-                        **extra_model_inputs(inputs)}  # a VLM's pixel_values etc. (plait.vision)
+                        **extra_model_inputs(inputs)}  # a VLM's pixel_values etc. (plait.data.vision)
         mask = labels != -100
         mask[:, 0] = False  # nothing predicts a row's first token
         if self.compute_loss_func is None:

@@ -3,7 +3,7 @@
 Answers ``resolve_reward`` for a ``…ForTokenClassification`` with two labels, loaded or as a
 folder (checked before the sequence-classifier source, which would refuse it). A completion is
 split into steps at the PRM's ``step_separator`` (the one recorded in its config by the PRM
-trainer, else ``"\\n"``), laid out as in training (:mod:`plait.plugins._stepwise`), and each
+trainer, else ``"\\n"``), laid out as in training (:mod:`plait.data.stepwise`), and each
 step's score is the PRM's P(step is correct) at the end of its separator. The per-step scores
 become one reward by an aggregation named in :data:`AGGREGATIONS`:
 
@@ -28,10 +28,10 @@ import attrs
 import torch
 
 from plait import hookimpl
+from plait.data.pretrained import pretrained_kwargs
+from plait.data.stepwise import encode_steps, split_steps
 from plait.errors import PlaitError
-from plait.models import pretrained_kwargs
-from plait.plugins._stepwise import encode_steps, split_steps
-from plait.scoring import RewardFunction, completion_text
+from plait.online.scoring import RewardFunction, completion_text
 
 DEFAULT_SEPARATOR = "\n"
 AGGREGATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

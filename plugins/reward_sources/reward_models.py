@@ -18,9 +18,9 @@ import attrs
 import torch
 
 from plait import hookimpl
+from plait.data.pretrained import pretrained_kwargs
 from plait.errors import PlaitError
-from plait.models import pretrained_kwargs
-from plait.scoring import RewardFunction, completion_text
+from plait.online.scoring import RewardFunction, completion_text
 
 
 def _is_conversation(value: Any) -> bool:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from plait.batches import PreferenceLogps, Rollout
+from plait.engine.batches import PreferenceLogps, Rollout
 from plait.testing import check_advantage_estimator, check_environment, check_loss, check_reward
 
 

@@ -5,10 +5,10 @@ import socket
 import time
 
 import pytest
-
-from plait.plugins.environments.python_tool import PythonParams
-from plait.tools import ToolCall
 from plait_sandbox_bwrap import python_bwrap_environment
+
+from plait.online.tools import ToolCall
+from plait.plugins.environments.python_tool import PythonParams
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 

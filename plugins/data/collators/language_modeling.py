@@ -1,8 +1,7 @@
 """Padded language-modelling batches (SFT): right padding, labels -100 on padding and untrained tokens."""
 
 from plait import hookimpl
-
-from .._collate import check_multiple, pad_token_id, padded_batch, trained_mask
+from plait.engine.layout import check_multiple, pad_token_id, padded_batch, trained_mask
 
 
 def language_modeling_collator(processing_class, *, pad_to_multiple_of=None):

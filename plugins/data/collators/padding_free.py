@@ -7,8 +7,7 @@ transformers' attention implementations read document boundaries from the restar
 """
 
 from plait import hookimpl
-
-from .._collate import check_multiple, flat_documents, pad_token_id, row_tensor, trained_mask
+from plait.engine.layout import check_multiple, flat_documents, pad_token_id, row_tensor, trained_mask
 
 
 def padding_free_collator(processing_class, *, pad_to_multiple_of=None):

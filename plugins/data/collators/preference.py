@@ -3,14 +3,14 @@
 ``collator.preference`` pads the ``2B`` sequences to one width; ``collator.preference_padding_free``
 puts them back to back in one row without padding. Either way one forward gives both sides'
 log-probs, and the per-row tensors (``completion_mask``, and the log-probs once
-:func:`plait.plugins.data._collate.row_token_logprobs` maps them back) have ``2B`` rows, so
+:func:`plait.engine.layout.row_token_logprobs` maps them back) have ``2B`` rows, so
 ``batch[k].chunk(2)`` splits any of them into its chosen and rejected halves.
 """
 
 import torch
 
 from plait import hookimpl
-from .._collate import check_multiple, flat_batch, pad_token_id, padded_batch, prompt_shared_batch, sequences
+from plait.engine.layout import check_multiple, flat_batch, pad_token_id, padded_batch, prompt_shared_batch, sequences
 
 PASSTHROUGH = ("ref_chosen_logps", "ref_rejected_logps", "margin")
 
@@ -60,7 +60,7 @@ def preference_padding_free_collator(processing_class, *, pad_to_multiple_of=Non
     attention stays within a sequence; ``pad_to_multiple_of`` rounds ``N``. ``seq_lengths``
     ``[2B]`` and ``completion_mask`` ``[2B, T]`` describe the rows as ``collator.preference``
     lays them out (right padded to the longest, no rounding), which is where
-    :func:`~plait.plugins.data._collate.row_token_logprobs` puts each token's log-prob back.
+    :func:`~plait.engine.layout.row_token_logprobs` puts each token's log-prob back.
     Passthrough columns as in ``collator.preference``.
     """
     pad_id, multiple = pad_token_id(processing_class), check_multiple(pad_to_multiple_of)
@@ -72,7 +72,7 @@ def preference_padding_free_collator(processing_class, *, pad_to_multiple_of=Non
 
 
 def prefix_shared_batch(examples: list[dict], pad_id: int, multiple: int | None) -> dict:
-    """The ``2B`` rows in one row, each distinct prompt computed once (:func:`plait.attention.prompt_shared_layout`):
+    """The ``2B`` rows in one row, each distinct prompt computed once (:func:`plait.engine.attention.prompt_shared_layout`):
     a pair is its chosen sequence, then its rejected completion as a branch of it. ``seq_index``
     ``[2B, T]`` says where each token of each row (the padded layout's rows) has its hidden state in the
     flat row: the rejected row's prompt, in its chosen sequence."""
@@ -82,7 +82,7 @@ def prefix_shared_batch(examples: list[dict], pad_id: int, multiple: int | None)
 def preference_prefix_shared_collator(processing_class, *, pad_to_multiple_of=None, passthrough=PASSTHROUGH):
     """``collator.preference_padding_free`` with each pair's prompt computed once (Wang & Hegde 2024,
     "Accelerating Direct Preference Optimization with Prefix Sharing"): needs attention that reads
-    branches (:func:`plait.attention.shares_prefixes`). Returns ``input_ids`` and ``position_ids``
+    branches (:func:`plait.engine.attention.shares_prefixes`). Returns ``input_ids`` and ``position_ids``
     ``[1, N]``, and ``seq_lengths``, ``seq_index`` and ``completion_mask`` describing the ``2B`` rows as
     ``collator.preference`` lays them out (:func:`prefix_shared_batch`)."""
     pad_id, multiple = pad_token_id(processing_class), check_multiple(pad_to_multiple_of)

@@ -1,8 +1,7 @@
 """Prompt batches for generation (GRPO, RLOO, online methods): left padding, extras passed through."""
 
 from plait import hookimpl
-
-from .._collate import check_multiple, pad, pad_token_id
+from plait.engine.layout import check_multiple, pad, pad_token_id
 
 TENSOR_KEYS = ("prompt_ids",)
 

@@ -1,8 +1,7 @@
 """Token-classification batches (process reward models): right padding, labels -100 on padding."""
 
 from plait import hookimpl
-
-from .._collate import check_multiple, pad, pad_token_id
+from plait.engine.layout import check_multiple, pad, pad_token_id
 
 
 def token_classification_collator(processing_class, *, pad_to_multiple_of=None):

@@ -10,8 +10,7 @@ rotated by one).
 import torch
 
 from plait import hookimpl
-
-from .._collate import check_multiple, flat_batch, pad_token_id, padded_batch, prompt_shared_batch, sequences
+from plait.engine.layout import check_multiple, flat_batch, pad_token_id, padded_batch, prompt_shared_batch, sequences
 
 PASSTHROUGH = ("ref_logps", "ref_kl_logps")
 
@@ -65,16 +64,16 @@ column of ``passthrough`` that every row has (cached reference log-probs) as a f
 unpaired_padding_free_collator = _unpaired(_rows(flat_batch))
 unpaired_padding_free_collator.__doc__ = """The rows ``collator.unpaired`` takes, each side (the rows and their
 mismatched pairs, ``kl_``) back to back in one row without padding: ``input_ids``, ``position_ids``
-``[1, N]``, ``seq_lengths`` and ``completion_mask`` as :func:`plait.plugins.data._collate.flat_batch`
+``[1, N]``, ``seq_lengths`` and ``completion_mask`` as :func:`plait.engine.layout.flat_batch`
 lays them out; ``label`` and passthrough columns as in ``collator.unpaired``.
 """
 
 unpaired_prefix_shared_collator = _unpaired(_prompt_shared, with_both=True)
 unpaired_prefix_shared_collator.__doc__ = """``collator.unpaired_padding_free`` with each distinct prompt of a side
-computed once (:func:`plait.plugins.data._collate.prompt_shared_batch`, ``seq_index`` saying where each row's
+computed once (:func:`plait.engine.layout.prompt_shared_batch`, ``seq_index`` saying where each row's
 tokens sit), plus ``both_``: the rows then their mismatched pairs in one row, each row's prompt held once
 for it and its pair, which is what a reference forward that scores both sides reads. Needs attention that
-reads branches (:func:`plait.attention.shares_prefixes`).
+reads branches (:func:`plait.engine.attention.shares_prefixes`).
 """
 
 

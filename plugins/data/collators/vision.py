@@ -3,15 +3,15 @@
 Wraps the collator a method made: the inner collator builds the token tensors as for text (the
 image tokens are already in the ids, expanded when the data was tokenised), then the processor's
 image processor runs once per row of the batch and the results travel as one
-:class:`plait.vision.RowInputs` under ``batch["model_inputs"]``, aligned with the batch's rows.
+:class:`plait.data.vision.RowInputs` under ``batch["model_inputs"]``, aligned with the batch's rows.
 A batch with ``k`` rows per example (preference: chosen rows then rejected rows) repeats the
 examples' images ``k`` times in that order. ``labels`` are -100 at image tokens, whatever the
 inner collator did. Rows without images get no inputs: text-only batches stay text-only.
 """
 
 from plait import hookimpl
+from plait.data.vision import KEY, RowInputs, image_inputs, image_token_ids, load_images, marked_tokens
 from plait.errors import PlaitError
-from plait.vision import KEY, RowInputs, image_inputs, image_token_ids, load_images, marked_tokens
 
 
 def image_collator(processing_class, *, inner):

@@ -1,7 +1,7 @@
-"""The two hooks of a data-format module, made once for its one :class:`plait.data.DataFormat`."""
+"""The two hooks of a data-format module, made once for its one :class:`plait.data.prepare.DataFormat`."""
 
 from plait import hookimpl
-from plait.data import DataFormat
+from plait.data.prepare import DataFormat
 
 
 def format_hooks(data_format: DataFormat, **detect_order):

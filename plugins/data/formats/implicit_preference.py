@@ -5,8 +5,8 @@ for strings, cut at a word boundary so the completions keep their leading space 
 BPE tokenisers spell " blue" as one token, and the policy would generate it that way).
 """
 
-from plait.chat import is_conversational
-from plait.data import DataFormat
+from plait.data.chat import is_conversational
+from plait.data.prepare import DataFormat
 
 from ._hooks import format_hooks
 

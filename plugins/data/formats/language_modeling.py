@@ -1,6 +1,6 @@
 """Language modelling data: ``{"text": str}`` or ``{"messages": [...]}`` (SFT on whole sequences)."""
 
-from plait.data import DataFormat
+from plait.data.prepare import DataFormat
 
 from ._hooks import format_hooks
 

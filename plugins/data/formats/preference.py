@@ -1,6 +1,6 @@
 """Preference data with an explicit prompt: ``{"prompt", "chosen", "rejected"}`` (DPO, reward models)."""
 
-from plait.data import DataFormat
+from plait.data.prepare import DataFormat
 
 from ._hooks import format_hooks
 

@@ -1,6 +1,6 @@
 """Prompt-completion data: ``{"prompt", "completion"}``, strings or conversations."""
 
-from plait.data import DataFormat
+from plait.data.prepare import DataFormat
 
 from ._hooks import format_hooks
 

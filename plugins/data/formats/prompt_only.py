@@ -1,6 +1,6 @@
 """Prompt-only data: ``{"prompt": ...}`` plus any columns reward functions need (online RL)."""
 
-from plait.data import DataFormat
+from plait.data.prepare import DataFormat
 
 from ._hooks import format_hooks
 

@@ -1,6 +1,6 @@
 """ShareGPT data: ``{"conversations": [{"from", "value"}, ...]}``, converted to messages."""
 
-from plait.data import DataFormat
+from plait.data.prepare import DataFormat
 from plait.errors import PlaitError
 
 from ._hooks import format_hooks

@@ -1,6 +1,6 @@
 """Unpaired preference data: ``{"prompt", "completion", "label"}`` with a boolean label (KTO)."""
 
-from plait.data import DataFormat
+from plait.data.prepare import DataFormat
 
 from ._hooks import format_hooks
 

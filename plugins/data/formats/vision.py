@@ -13,9 +13,9 @@ of whatever shape its other columns have, so no text format claims it first.
 """
 
 from plait import hookimpl
-from plait.chat import is_conversational
-from plait.data import KINDS, TEXT_FIELDS, DataFormat
-from plait.vision import load_images
+from plait.data.chat import is_conversational
+from plait.data.prepare import KINDS, TEXT_FIELDS, DataFormat
+from plait.data.vision import load_images
 
 # (name, kind, text shapes): most specific first, as detection tries them
 _LAYOUTS = (

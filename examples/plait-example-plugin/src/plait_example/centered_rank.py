@@ -10,7 +10,7 @@ completion whose every reward is None gets 0 and is left out of the ranking.
 import torch
 
 from plait import hookimpl
-from plait.batches import Rollout
+from plait.engine.batches import Rollout
 
 
 def centered_rank(rollout: Rollout, params: None) -> torch.Tensor:

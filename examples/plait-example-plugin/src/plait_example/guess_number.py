@@ -3,7 +3,7 @@
 The model guesses a secret number (the row's ``secret`` column, 1..100); after each wrong guess
 the environment replies "higher" or "lower" as a user turn, for up to ``max_guesses`` guesses.
 The reward is 1 for a right guess, shrinking by ``1 / max_guesses`` per extra guess, else 0.
-Environments subclass plait.rollouts.Environment and register through ``register_environments``.
+Environments subclass plait.online.rollouts.Environment and register through ``register_environments``.
 """
 
 import re
@@ -11,7 +11,7 @@ import re
 import attrs
 
 from plait import hookimpl
-from plait.rollouts import Environment, Step
+from plait.online.rollouts import Environment, Step
 
 
 @attrs.frozen

@@ -17,9 +17,9 @@ import tempfile
 
 from plait import hookimpl
 from plait.errors import PlaitError
+from plait.online.rollouts import ToolEnvironment
+from plait.online.tools import Tool, resolve_tools
 from plait.plugins.environments.python_tool import PythonParams, run_python
-from plait.rollouts import ToolEnvironment
-from plait.tools import Tool, resolve_tools
 
 VISIBLE = sorted({"/usr", "/lib", "/lib64", "/bin", "/etc/alternatives", sys.base_prefix, sys.prefix})
 

@@ -1,0 +1,284 @@
+"""Pre-flight checks: every input a user owns, refused in one line before any weights load.
+
+One function per input. ``plait <method> --config r.yaml --check`` runs them all through
+:func:`check_inputs` (after :func:`plait.recipes.run.check_recipe` has checked names and types); the
+Python API reaches the same functions where it needs them: :func:`model_source` from
+:func:`plait.engine.models.load_model`, :func:`training_numbers` and :func:`resume_checkpoint` from
+every method Config's ``__post_init__``. Each failure is a :class:`~plait.errors.PlaitError`
+naming the field, the value and the fix; none of these checks reads model weights.
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import glob
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+from plait.errors import PlaitError
+
+from .pretrained import pretrained_kwargs
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.gguf", "*.pt", "*.pth")
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and tokenizers
+# ---------------------------------------------------------------------------------------------
+
+
+def model_source(model: Any, field: str = "model", init_kwargs: dict | None = None) -> None:
+    """A local model folder holds a readable config.json and weights; a hub id is in the cache
+    when the hub is offline. Model instances pass as given."""
+    if not isinstance(model, str):
+        return
+    path = os.path.expanduser(model)
+    if os.path.isfile(path):
+        raise PlaitError(f"{field}={model!r} is a file; pass the folder that holds config.json and the weights "
+                         "(a run's output_dir, or a folder written by save_pretrained)")
+    if os.path.isdir(path):
+        _model_folder(path, model, field, init_kwargs or {})
+        return
+    if not HUB_ID.match(model) or model.startswith((".", "/", "~")):
+        raise PlaitError(f"{field}={model!r}: no such folder; fix the path (a recipe's ./ and ../ paths are "
+                         "relative to the recipe file, others to the working directory)")
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not constants.is_offline_mode():
+        return  # a hub id: from_pretrained downloads it
+    hub = init_kwargs or {}
+    cached = try_to_load_from_cache(model, "config.json", cache_dir=hub.get("cache_dir"), revision=hub.get("revision"))
+    if not isinstance(cached, str):
+        raise PlaitError(f"{field}={model!r}: no such folder, and no hub model of that name in the local cache "
+                         f"(HF_HUB_OFFLINE=1 forbids downloading); fix the path, or download it once with "
+                         f"'hf download {model}'")
+    _config_json(Path(cached), model, field)
+
+
+def _model_folder(path: str, model: str, field: str, init_kwargs: dict) -> None:
+    folder = Path(path)
+    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        return  # a PEFT adapter folder: transformers loads its base model through peft
+    if not (folder / "config.json").is_file():
+        checkpoints = sorted((p.name for p in folder.iterdir() if CHECKPOINT.match(p.name)), key=checkpoint_step)
+        hint = f"; did you mean its {checkpoints[-1]}?" if checkpoints else \
+            "; pass a folder written by save_pretrained (config.json and weights), or a hub id"
+        raise PlaitError(f"{field}={model!r} is a folder without a model (no config.json){hint}")
+    _config_json(folder / "config.json", model, field)
+    if init_kwargs.get("gguf_file") is None and not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
+        raise PlaitError(f"{field}={model!r} has config.json but no weights (*.safetensors or pytorch_model.bin); "
+                         "copy the weight files into it, or pass the folder that has them")
+
+
+def _config_json(config: Path, model: str, field: str) -> None:
+    try:
+        data = json.loads(config.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise PlaitError(f"{field}={model!r}: {config} is not UTF-8 (byte {err.start}); restore the file from "
+                         "the original model") from err
+    except json.JSONDecodeError as err:
+        raise PlaitError(f"{field}={model!r}: {config} is not valid JSON (line {err.lineno}, column {err.colno}: "
+                         f"{err.msg}); restore the file from the original model") from err
+    if not isinstance(data, dict):
+        raise PlaitError(f"{field}={model!r}: {config} holds a JSON {type(data).__name__}, not an object; "
+                         "restore the file from the original model")
+    from transformers import AutoConfig
+    trusted = pretrained_kwargs()["trust_remote_code"]
+    try:
+        AutoConfig.from_pretrained(str(config.parent), **pretrained_kwargs())
+    except Exception as err:  # noqa: BLE001 - transformers raises ValueError, KeyError, OSError, TypeError here
+        fix = "set trust_remote_code=True if you trust the code its auto_map names" if "auto_map" in data and not trusted \
+            else "fix model_type and the fields it names"
+        raise PlaitError(f"{field}={model!r}: {config} is not a config transformers can read "
+                         f"({type(err).__name__}: {_first_line(err)}); {fix}") from err
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
+def tokenizer_files(model: Any, field: str = "model") -> None:
+    """A local model folder carries tokenizer files (a run's output_dir does: the trainer saves them)."""
+    if isinstance(model, str) and os.path.isdir(os.path.expanduser(model)):
+        folder = Path(os.path.expanduser(model))
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES) and \
+                not (folder / "adapter_config.json").is_file():
+            raise PlaitError(f"{field}={model!r} has no tokenizer files (tokenizer.json or tokenizer_config.json); "
+                             "save the tokenizer there (tokenizer.save_pretrained(folder)) or pass processing_class")
+
+
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Data files
+# ---------------------------------------------------------------------------------------------
+
+BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
+
+
+def data_files(spec: Any, field: str = "dataset") -> None:
+    """Each local data file is non-empty UTF-8 (JSON lines that parse, as objects), and the
+    requested split selects at least one row. ``spec`` is a :class:`plait.engine.config.DatasetSpec`."""
+    files = spec.data_files
+    by_split = files if isinstance(files, dict) else {"train": files}
+    rows: dict[str, int | None] = {}
+    for split, names in by_split.items():
+        total: int | None = 0
+        for name in names if isinstance(names, list) else [names]:
+            count = _file_rows(name, spec.path, f"{field}.data_files") if _is_local_file(name) else None
+            total = None if total is None or count is None else total + count
+        rows[split] = total
+    if files is None or not rows:
+        return
+    _split_rows(spec.split, rows, field)
+
+
+def _is_local_file(name: Any) -> bool:
+    return isinstance(name, str) and "://" not in name and not glob.has_magic(name) and os.path.isfile(name)
+
+
+def _file_rows(name: str, builder: str | None, field: str) -> int | None:
+    """Rows in one file (None when only the dataset builder can tell), after checking its bytes."""
+    if os.path.getsize(name) == 0:
+        raise PlaitError(f"{field}: {name!r} is empty (0 bytes); add rows to it or fix the path")
+    builder = builder if builder in BUILDERS.values() else BUILDERS.get(Path(name).suffix.lower())
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(name).metadata.num_rows
+        except Exception as err:  # noqa: BLE001 - pyarrow's ArrowInvalid and OSError
+            raise PlaitError(f"{field}: {name!r} is not a readable parquet file ({_first_line(err)}); "
+                             "rewrite it, or fix the path") from err
+    if builder not in ("json", "csv", "text"):
+        return None
+    if builder == "json" and not name.lower().endswith(".jsonl") and _first_character(name) == "[":
+        return _json_array_rows(name, field)
+    lines = _utf8_lines(name, field)
+    if builder == "text":
+        return sum(1 for _ in lines)
+    if builder == "csv":
+        return max(0, sum(1 for _ in csv.reader(line for _, line in lines)) - 1)  # less the header row
+    count = 0
+    for number, line in lines:
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise PlaitError(f"{field}: {name}, line {number} is not valid JSON ({err.msg} at column {err.colno}); "
+                             "fix or delete that line") from err
+        if not isinstance(row, dict):
+            raise PlaitError(f"{field}: {name}, line {number} is {_a(row)}, not an object "
+                             "({\"column\": value, ...}); fix or delete that line")
+        count += 1
+    return count
+
+
+def _a(value: Any) -> str:
+    """'a JSON list', 'an int' ...: what a row that should be an object is instead."""
+    kind = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value), "null")
+    return f"a JSON {kind}"
+
+
+def _first_character(name: str) -> str:
+    with open(name, "rb") as handle:
+        head = handle.read(4096).lstrip(codecs.BOM_UTF8).lstrip()
+    return head[:1].decode("latin-1")
+
+
+def _utf8_lines(name: str, field: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line; a non-UTF-8 byte is an error naming line and offset."""
+    offset = 0
+    with open(name, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise PlaitError(f"{field}: {name}, line {number} (byte {offset + err.start}) is not UTF-8 "
+                                 f"({raw[err.start:err.start + 4]!r}); re-save the file as UTF-8") from err
+            offset += len(raw)
+            yield number, text
+
+
+def _json_array_rows(name: str, field: str) -> int:
+    text = "".join(line for _, line in _utf8_lines(name, field))
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PlaitError(f"{field}: {name}, line {err.lineno} is not valid JSON ({err.msg} at column {err.colno}); "
+                         "fix the file") from err
+    for index, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise PlaitError(f"{field}: {name}, item {index} of the JSON array is {_a(row)}, not an "
+                             "object ({\"column\": value, ...}); fix or delete it")
+    return len(data)
+
+
+def _split_rows(split: str, rows: dict[str, int | None], field: str) -> None:
+    import datasets
+
+    try:
+        parts = datasets.ReadInstruction.from_spec(split).to_absolute({k: v or 0 for k, v in rows.items()})
+    except (ValueError, AssertionError) as err:
+        raise PlaitError(f"{field}.split={split!r} does not name a split of data_files (it has: {', '.join(rows)}); "
+                         "use one of those, e.g. train or train[:100]") from err
+    if any(rows[part.splitname] is None for part in parts):
+        return  # a file whose rows only the dataset builder can count
+    if sum(part.to - part.from_ for part in parts) == 0:
+        sizes = ", ".join(f"{k}: {v} rows" for k, v in rows.items())
+        raise PlaitError(f"{field}.split={split!r} selects no rows ({sizes}); add rows to the data files or "
+                         "widen the split")
+
+
+# ---------------------------------------------------------------------------------------------
+# Training numbers
+# ---------------------------------------------------------------------------------------------
+
+
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints and the output folder
+# ---------------------------------------------------------------------------------------------
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Everything a recipe names
+# ---------------------------------------------------------------------------------------------
+
+
+
+
+
+
+def checkpoint_step(name: str) -> int:
+    """The step of a ``checkpoint-N`` folder's name."""
+    return int(CHECKPOINT.match(name).group(1))

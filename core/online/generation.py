@@ -1,0 +1,374 @@
+"""The generation-backend hook: how online methods (GRPO, RLOO) sample completions.
+
+A backend turns prompts (token ids, or conversations it renders with the chat template) and
+:class:`SamplingParams` into :class:`Generations`: completion token ids without padding, their
+texts, and per-token log-probs where the backend computes them anyway (vLLM does; a backend
+that samples with the trainer's own weights need not). Backends holding their own copy of the
+weights (an inference engine) receive the policy after every optimizer step through
+``load_weights``; all backends share a start / sleep / wake / close lifecycle so a method can
+free an engine's memory while it trains.
+
+Backends register under ``register_generation_backends`` with a factory
+``(model, processing_class, args) -> GenerationBackend``; a method picks one by name
+(``generation.transformers``, ``generation.vllm_colocate``) and never imports it.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import logging
+import math
+from typing import Any, Mapping, Sequence
+
+import attrs
+
+from plait.data.chat import encode, is_conversational, render_prompt, tokenizer_of
+from plait.errors import PlaitError
+from plait.params import in_range, one_of, positive
+
+__all__ = ["GenerationBackend", "GenerationChoice", "Generations", "SamplingParams", "encode_prompts"]
+
+logger = logging.getLogger("plait")
+
+
+def _optional(validator):
+    return attrs.validators.optional(validator)
+
+
+def _non_negative_int(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{attribute.name}={value!r} must be an integer >= 0 (0 disables it)")
+
+
+def _positive_int(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name}={value!r} must be an integer >= 1")
+
+
+@attrs.frozen
+class SamplingParams:
+    """How to sample; names follow TRL's GRPOConfig.
+
+    ``temperature`` 0 means greedy decoding. ``top_k`` 0 or None and ``min_p`` None disable those
+    filters. ``num_generations`` completions are drawn per prompt and returned grouped: all
+    completions of prompt 0, then prompt 1, ... ``structured_outputs_regex`` constrains every
+    completion to match the regex (guided decoding; backends that cannot honour it refuse it).
+    ``generation_kwargs`` go to the backend as they are (for options this class does not name).
+    """
+
+    max_completion_length: int = attrs.field(default=256, validator=_positive_int)
+    temperature: float = attrs.field(default=1.0, validator=in_range(0.0, float("inf"), high_open=True))
+    top_p: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
+    top_k: int | None = attrs.field(default=None, validator=_optional(_non_negative_int))
+    min_p: float | None = attrs.field(default=None, validator=_optional(in_range(0.0, 1.0)))
+    repetition_penalty: float = attrs.field(default=1.0, validator=positive)
+    num_generations: int = attrs.field(default=1, validator=_positive_int)
+    structured_outputs_regex: str | None = None
+    generation_kwargs: dict = attrs.field(factory=dict)
+
+
+@attrs.frozen(eq=False)
+class Generations:
+    """Completions of N = len(prompts) × num_generations rows, grouped by prompt.
+
+    ``prompt_ids[i]`` is the prompt row i was sampled from (as the backend tokenised it);
+    ``completion_ids[i]`` holds the sampled tokens without padding, ending with the EOS token when
+    the model stopped on its own (``finished[i]``) and cut at ``max_completion_length`` otherwise.
+    ``logprobs[i][t]`` is the sampler's log-prob of ``completion_ids[i][t]``, or ``logprobs`` is
+    None when the backend does not report them.
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    texts: list[str]
+    finished: list[bool]
+    logprobs: list[list[float]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+
+class GenerationBackend(abc.ABC):
+    """Samples completions for an online method. Subclasses implement :meth:`generate`.
+
+    ``shares_weights`` is True for backends that sample with the training model itself (nothing to
+    push after an optimizer step); engines that hold a copy set it False and implement
+    :meth:`load_weights`. The lifecycle methods are no-ops by default.
+    """
+
+    shares_weights: bool = True
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]] | Sequence[Sequence[Mapping[str, Any]]],
+                 sampling: SamplingParams) -> Generations:
+        """Sample ``sampling.num_generations`` completions for each prompt (token ids or messages)."""
+
+    def load_weights(self, model) -> None:
+        """Copy the policy's current weights into the backend (engines with their own copy)."""
+
+    def start(self) -> None:
+        """Acquire resources (start an engine, connect to a server)."""
+
+    def sleep(self) -> None:
+        """Release memory between rollouts (the policy trains meanwhile)."""
+
+    def wake(self) -> None:
+        """Undo :meth:`sleep` before the next :meth:`generate`."""
+
+    def close(self) -> None:
+        """Release everything; the backend is not used again."""
+
+    def __enter__(self) -> "GenerationBackend":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def encode_prompts(processing_class, prompts: Sequence[Any]) -> list[list[int]]:
+    """Token ids of each prompt: ids pass through, strings are tokenised (with the tokenizer's
+    own special tokens, e.g. BOS), conversations are rendered with the generation prompt."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            out.append(encode(processing_class, prompt, special_tokens=True))
+        elif is_conversational(prompt) and prompt and isinstance(prompt[0], Mapping):
+            out.append(encode(processing_class, render_prompt(processing_class, list(prompt)), special_tokens=False))
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            out.append(list(prompt))
+        else:
+            raise PlaitError(f"prompt {i} is a {type(prompt).__name__}; pass token ids, a string or a list of "
+                             "{'role', 'content'} messages")
+        if not out[-1]:
+            raise PlaitError(f"prompt {i} is empty after tokenisation; every prompt needs at least one token")
+    return out
+
+
+def eos_token_ids(processing_class, model=None) -> set[int]:
+    """Every token id that ends a completion: the tokenizer's EOS and the model's generation EOS ids."""
+    ids = set()
+    eos = getattr(tokenizer_of(processing_class), "eos_token_id", None)
+    if eos is not None:
+        ids.add(int(eos))
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(config_eos, int):
+        ids.add(config_eos)
+    elif isinstance(config_eos, (list, tuple)):
+        ids.update(int(i) for i in config_eos)
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# The generation fields of a method's config
+# ---------------------------------------------------------------------------------------------
+
+VLLM_MODES = ("colocate", "server")
+TRANSFORMERS = "transformers"
+
+
+def _optional_int_at_least(low: int):
+    def check(instance, attribute, value) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise ValueError(f"{attribute.name}={value!r} must be an integer >= {low} or None")
+
+    return check
+
+
+def _optional_text(instance, attribute, value) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"{attribute.name}={value!r} must be a non-empty string or None")
+
+
+def _optional_dict(instance, attribute, value) -> None:
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{attribute.name}={value!r} must be a mapping (e.g. {{enable_thinking: false}}) or None")
+
+
+def _padding_multiple_value(value):
+    """TRL's accepted spellings: "auto", an integer (also as text, as a command line gives it), or None ("none")."""
+    if isinstance(value, str) and value != "auto":
+        if value.strip().lower() in ("none", "null"):
+            return None
+        if value.strip().isdigit():
+            return int(value)
+    return value
+
+
+def _padding_multiple(instance, attribute, value) -> None:
+    if value is None or value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name}={value!r} must be an integer >= 1, 'auto' or None")
+
+
+def padding_multiple(value: int | str | None, device) -> int | None:
+    """What ``pad_to_multiple_of`` means on ``device``: "auto" pads to a multiple of 128 on AWS
+    Neuron (which compiles once per input shape, so fewer shapes mean fewer compilations) and not
+    at all elsewhere (TRL 1.16's rule); an integer is that multiple; None is no padding."""
+    if value == "auto":
+        return 128 if getattr(device, "type", str(device)) == "neuron" else None
+    return value
+
+
+def padded_width(width: int, multiple: int | None) -> int:
+    """``width`` rounded up to a multiple of ``multiple`` (unchanged when None)."""
+    return width if not multiple else math.ceil(width / multiple) * multiple
+
+
+@functools.cache
+def _warn_hub_repo_once(repo: str) -> None:
+    logger.warning("plait: log_completions_hub_repo=%r is kept but nothing is pushed to the Hub (plait runs offline); "
+                   "the completions table is printed and sent to wandb when report_to includes it", repo)
+
+
+@attrs.define(slots=False)  # a mixin beside LossChoice/RewardChoice: two slotted bases cannot mix
+class GenerationChoice:
+    """How a method that learns from its own samples generates them (GRPO, RLOO, distillation, PPO),
+    and how it logs them; TRL 1.16's names, meanings and defaults (GRPOConfig, RLOOConfig,
+    DistillationConfig) unless docs/trl-differences.md says otherwise.
+
+    The backend is one registered ``generation.<name>`` plugin, chosen by :meth:`backend_name`:
+    ``generation_backend`` (plait's general name) when given, else TRL's ``use_vllm`` with
+    ``vllm_mode`` ("colocate" → ``generation.vllm_colocate``, "server" → ``generation.vllm_server``),
+    else ``generation.transformers``. Each backend reads the fields it honours from the config and
+    refuses, when the trainer is validated (before any model loads), those it cannot honour:
+
+    * sampling (every backend): ``top_p``, ``top_k`` (0 = no top-k), ``min_p``, ``repetition_penalty``,
+      ``generation_kwargs``, ``vllm_structured_outputs_regex`` (guided decoding);
+    * prompts: ``chat_template_kwargs`` reach ``apply_chat_template`` when conversational prompts
+      are rendered (e.g. ``{"enable_thinking": False}``); ``pad_to_multiple_of`` pads prompts (left)
+      and completions (right) to a multiple, in generation and in training tensors ("auto": 128 on
+      AWS Neuron, none elsewhere);
+    * the transformers backend: ``cache_implementation`` (``model.generate``'s KV cache),
+      ``use_transformers_continuous_batching`` (``use_transformers_paged`` is TRL's older name) with
+      ``transformers_continuous_batching_config``, ``generation_max_batch_size``,
+      ``ds3_gather_for_generation`` (DeepSpeed ZeRO-3 only);
+    * the vLLM backends: the ``vllm_*`` engine and server fields (docs/vllm.md);
+    * ``max_tool_calling_iterations``: how many times generation continues after tool results
+      (:mod:`plait.online.rollouts`; None: until the length budget ends);
+    * completion logs: ``log_completions`` prints (and sends to wandb) a table of each rollout's
+      completions, ``num_completions_to_print`` rows of it, one row per prompt with
+      ``log_unique_prompts``; ``log_multimodal`` and ``log_completions_hub_repo`` are kept (plait's
+      methods are text-only, and the Hub is not written to: a warning says so).
+    """
+
+    # sampling
+    top_p: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
+    top_k: int | None = attrs.field(default=0, validator=_optional_int_at_least(0))
+    min_p: float | None = attrs.field(default=None, validator=attrs.validators.optional(in_range(0.0, 1.0)))
+    repetition_penalty: float = attrs.field(default=1.0, validator=positive)
+    generation_kwargs: dict | None = attrs.field(default=None, validator=_optional_dict)
+    # prompts
+    chat_template_kwargs: dict | None = attrs.field(default=None, validator=_optional_dict)
+    pad_to_multiple_of: int | str | None = attrs.field(default="auto", converter=_padding_multiple_value,
+                                                       validator=_padding_multiple)
+    # the backend
+    generation_backend: str | None = attrs.field(default=None, validator=_optional_text)
+    use_vllm: bool = False
+    vllm_mode: str = attrs.field(default="colocate", validator=one_of(VLLM_MODES))
+    generation_max_batch_size: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
+    # the transformers backend
+    cache_implementation: str | None = attrs.field(default=None, validator=_optional_text)
+    use_transformers_continuous_batching: bool = False
+    use_transformers_paged: bool = False
+    transformers_continuous_batching_config: dict | None = attrs.field(default=None, validator=_optional_dict)
+    ds3_gather_for_generation: bool = True
+    # the vLLM engine (generation.vllm_colocate); vllm_dtype .. vllm_seed are plait's
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_tensor_parallel_size: int = 1
+    vllm_max_model_length: int | None = None
+    vllm_enable_sleep_mode: bool = False
+    vllm_model_impl: str = "auto"
+    vllm_dtype: str = "auto"
+    vllm_kv_cache_memory_bytes: int | None = None
+    vllm_enable_prefix_caching: bool = True
+    vllm_engine_kwargs: dict | None = None
+    vllm_seed: int | None = None  # None: the run's seed
+    vllm_structured_outputs_regex: str | None = attrs.field(default=None, validator=_optional_text)
+    # the vLLM server (generation.vllm_server); vllm_server_token is plait's (or PLAIT_VLLM_TOKEN)
+    vllm_server_base_url: str | None = None
+    vllm_server_host: str = "127.0.0.1"
+    vllm_server_port: int = 8000
+    vllm_server_timeout: float = 240.0
+    vllm_group_port: int = 51216
+    vllm_server_token: str | None = None
+    vllm_server_token_file: str | None = None  # a 0600 file holding the token (plait vllm-serve --token-file)
+    vllm_server_request_timeout: float = 1800.0  # seconds any one request may take before the server counts as hung
+    # tool calling
+    max_tool_calling_iterations: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
+    # completion logs
+    log_completions: bool = False
+    num_completions_to_print: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
+    log_unique_prompts: bool = False
+    log_multimodal: bool = True
+    log_completions_hub_repo: str | None = attrs.field(default=None, validator=_optional_text)
+
+    def __attrs_post_init__(self) -> None:
+        backend = self.generation_backend
+        if self.use_vllm and backend is not None and _short(backend) != f"vllm_{self.vllm_mode}":
+            raise PlaitError(f"generation_backend={backend!r} conflicts with use_vllm=True (vllm_mode={self.vllm_mode!r} "
+                             f"means 'vllm_{self.vllm_mode}'); give generation_backend or use_vllm, not both")
+        if self.log_completions_hub_repo is not None:
+            if not self.log_completions:
+                raise PlaitError(f"log_completions_hub_repo={self.log_completions_hub_repo!r} is set but log_completions "
+                                 "is False; set log_completions=True or drop log_completions_hub_repo")
+            _warn_hub_repo_once(self.log_completions_hub_repo)
+        after = getattr(super(), "__attrs_post_init__", None)
+        if after is not None:
+            after()
+
+    def backend_name(self) -> str:
+        """The registered generation backend these fields choose (the one place they are resolved)."""
+        if self.generation_backend is not None:
+            return self.generation_backend
+        return f"vllm_{self.vllm_mode}" if self.use_vllm else TRANSFORMERS
+
+    @property
+    def continuous_batching(self) -> bool:
+        return self.use_transformers_continuous_batching or self.use_transformers_paged
+
+    def sampling(self, max_completion_length: int | None = None, temperature: float | None = None) -> SamplingParams:
+        """The :class:`SamplingParams` of one rollout; the length and temperature default to the
+        params' own ``max_completion_length`` and ``temperature``."""
+        return SamplingParams(
+            max_completion_length=self.max_completion_length if max_completion_length is None else max_completion_length,
+            temperature=self.temperature if temperature is None else temperature, top_p=self.top_p,
+            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            structured_outputs_regex=self.vllm_structured_outputs_regex,
+            generation_kwargs=dict(self.generation_kwargs or {}),
+        )
+
+
+def _short(name: str) -> str:
+    return name.removeprefix("generation.")
+
+
+def resolve_backend(plugins, args):
+    """The registered backend a method config chooses, with its own check of the config run now
+    (before any model loads): a backend's ``check(args)`` option refuses what it cannot honour."""
+    component = plugins.generation_backends.get(args.params.backend_name(), family="generation")
+    check = component.options.get("check")
+    if check is not None:
+        check(args)
+    return component
+
+
+def backend_options(params_class, args, who: str):
+    """A backend's attrs options from a method config's ``<prefix><option>`` fields (the class's
+    ``config_prefix``, e.g. ``vllm_``: ``vllm_gpu_memory_utilization`` -> ``gpu_memory_utilization``);
+    fields the config lacks, or leaves None, keep the class's defaults. Errors name the backend."""
+    prefix = getattr(params_class, "config_prefix", "")
+    source = getattr(args, "params", args)
+    values = {}
+    for field in attrs.fields(params_class):
+        for holder in (source, args):
+            value = getattr(holder, f"{prefix}{field.name}", None)
+            if value is not None:
+                values[field.name] = value
+                break
+    try:
+        return params_class(**values)
+    except (TypeError, ValueError) as err:
+        raise PlaitError(f"{who}: {err}") from None
