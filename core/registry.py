@@ -130,6 +130,20 @@ class Registry:
         note = f"; {self._note}" if self._note else ""
         raise UnknownComponentError(f"unknown {self.kind} {name!r}{hint}; available: {available}{note}")
 
+    def default(self, role: str, what: str) -> Component:
+        """The one component whose object declares itself the default for ``role`` (its attribute
+        ``default_for = role``; ``what`` says what the role does, for the error). Core asks for a
+        role, so it names no built-in and works, role unused, when the plugin filling it is disabled."""
+        found = [c for c in self if getattr(c.obj, "default_for", None) == role]
+        if len(found) > 1:
+            raise PlaitError(f"{len(found)} {self.kind}s are registered as the default for {role!r} "
+                             f"({', '.join(c.name for c in found)}); disable all but one with PLAIT_DISABLE_PLUGINS")
+        if not found:
+            note = f"; {self._note}" if self._note else ""
+            raise PlaitError(f"no {self.kind} is registered as the default for {role!r} ({what}); install or enable a "
+                             f"plugin registering one whose default_for = {role!r} (is it in PLAIT_DISABLE_PLUGINS?){note}")
+        return found[0]
+
     def family(self, prefix: str) -> list[Component]:
         return [c for n, c in sorted(self._entries.items()) if n.startswith(prefix + ".")]
 

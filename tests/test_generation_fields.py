@@ -62,10 +62,10 @@ def tiny():
 
 
 @pytest.mark.parametrize("fields, backend", [
-    ({}, "transformers"),
+    ({}, None),  # none chosen: the backend registered as the default for 'sampling'
     ({"use_vllm": True}, "vllm_colocate"),
     ({"use_vllm": True, "vllm_mode": "server"}, "vllm_server"),
-    ({"vllm_mode": "server"}, "transformers"),  # vllm_mode matters only with use_vllm, as in TRL
+    ({"vllm_mode": "server"}, None),  # vllm_mode matters only with use_vllm, as in TRL
     ({"generation_backend": "vllm_server"}, "vllm_server"),
     ({"use_vllm": True, "vllm_mode": "server", "generation_backend": "generation.vllm_server"}, "generation.vllm_server"),
 ])

@@ -261,10 +261,12 @@ class PlaitTrainer(Trainer):
         raise NotImplementedError
 
     def batch_collator(self, processing_class, args):
-        """The method's collator; for a VLM's processor wrapped in ``collator.images`` (images become model inputs)."""
+        """The method's collator; for a VLM's processor wrapped in the collator registered as the
+        default for ``images`` (images become model inputs)."""
         collate = self.make_collator(processing_class, args)
         if image_processor_of(processing_class) is not None:
-            collate = self.plugins.collators.get("collator.images").obj(processing_class, inner=collate)
+            wrap = self.plugins.collators.default("images", "turning a VLM's images into model inputs").obj
+            collate = wrap(processing_class, inner=collate)
         return collate
 
     def create_accelerator_and_postprocess(self):

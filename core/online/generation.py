@@ -165,7 +165,7 @@ def eos_token_ids(processing_class, model=None) -> set[int]:
 # ---------------------------------------------------------------------------------------------
 
 VLLM_MODES = ("colocate", "server")
-TRANSFORMERS = "transformers"
+SAMPLING = "sampling"  # the role of the backend used when a config chooses none
 
 
 def _optional_int_at_least(low: int):
@@ -232,7 +232,7 @@ class GenerationChoice:
     The backend is one registered ``generation.<name>`` plugin, chosen by :meth:`backend_name`:
     ``generation_backend`` (plait's general name) when given, else TRL's ``use_vllm`` with
     ``vllm_mode`` ("colocate" → ``generation.vllm_colocate``, "server" → ``generation.vllm_server``),
-    else ``generation.transformers``. Each backend reads the fields it honours from the config and
+    else the backend registered as the default for ``sampling`` (plait's: ``generation.transformers``). Each backend reads the fields it honours from the config and
     refuses, when the trainer is validated (before any model loads), those it cannot honour:
 
     * sampling (every backend): ``top_p``, ``top_k`` (0 = no top-k), ``min_p``, ``repetition_penalty``,
@@ -319,11 +319,12 @@ class GenerationChoice:
         if after is not None:
             after()
 
-    def backend_name(self) -> str:
-        """The registered generation backend these fields choose (the one place they are resolved)."""
+    def backend_name(self) -> str | None:
+        """The registered generation backend these fields choose (the one place they are resolved);
+        None when they choose none: :func:`resolve_backend` then takes the default for ``sampling``."""
         if self.generation_backend is not None:
             return self.generation_backend
-        return f"vllm_{self.vllm_mode}" if self.use_vllm else TRANSFORMERS
+        return f"vllm_{self.vllm_mode}" if self.use_vllm else None
 
     @property
     def continuous_batching(self) -> bool:
@@ -347,8 +348,11 @@ def _short(name: str) -> str:
 
 def resolve_backend(plugins, args):
     """The registered backend a method config chooses, with its own check of the config run now
-    (before any model loads): a backend's ``check(args)`` option refuses what it cannot honour."""
-    component = plugins.generation_backends.get(args.params.backend_name(), family="generation")
+    (before any model loads): a backend's ``check(args)`` option refuses what it cannot honour.
+    A config that names no backend gets the one a plugin registered with ``default_for="sampling"``."""
+    name, backends = args.params.backend_name(), plugins.generation_backends
+    component = (backends.default(SAMPLING, "sampling completions when a config names no backend") if name is None
+                 else backends.get(name, family="generation"))
     check = component.options.get("check")
     if check is not None:
         check(args)

@@ -9,6 +9,11 @@ strategies (``packing.bfd``, ``packing.wrapped``, ...). Where plait's rule diffe
 
 The collators TRL exposes from its trainer modules (``DataCollatorForLanguageModeling``, ...) are
 here too, as thin classes over the registered collators with TRL's constructor arguments.
+
+This module names the components it is made of (``format.sharegpt``, ``collator.preference``, ...)
+rather than asking for a role's default: each TRL name here *is* that one component under TRL's
+name, so there is no choice to leave to plugins. Only the name that needs a disabled plugin fails,
+when called, with one line naming it and what disabled the plugin (:func:`_registered`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,15 @@ def _plugins():
     return default_plugins()
 
 
+def _registered(kind: str, name: str, user: str, family: str | None = None):
+    """Component ``name`` of the ``kind`` registry, which TRL's ``user`` is made of; when its plugin is
+    disabled or missing, one line naming both (a PlaitError, not the registry's KeyError)."""
+    try:
+        return getattr(_plugins(), kind).get(name, family=family)
+    except KeyError as err:
+        raise PlaitError(f"{user} is plait's {name!r}, which is not available: {err}") from None
+
+
 def is_conversational(example: dict[str, Any]) -> bool:
     """True when the example's prompt / chosen / rejected / completion / messages hold role/content messages."""
     return any(example.get(key) and chat.is_conversational(example[key]) for key in CONVERSATION_KEYS)
@@ -48,12 +62,12 @@ def maybe_convert_to_chatml(example: dict[str, list]) -> dict[str, list]:
     """ShareGPT turns (``from``/``value``) in any conversation column become role/content messages
     through plait's ``format.sharegpt`` (``human`` -> ``user``, ``gpt`` -> ``assistant``, ...), and
     ``conversations`` is renamed ``messages``; other values are left as they are."""
-    to_messages = _plugins().data_formats.get("format.sharegpt").obj.convert
     out = dict(example)
     for key in ("prompt", "completion", "chosen", "rejected", "messages", "conversations"):
         value = out.get(key)
         if isinstance(value, list) and value and all(isinstance(m, dict) and "from" in m for m in value):
-            out[key] = to_messages({"conversations": value})["text"]
+            sharegpt = _registered("data_formats", "format.sharegpt", "maybe_convert_to_chatml").obj
+            out[key] = sharegpt.convert({"conversations": value})["text"]
     if "conversations" in out:
         out["messages"] = out.pop("conversations")
     return out
@@ -111,7 +125,7 @@ def maybe_apply_chat_template(example: dict[str, list[dict[str, str]]], processi
 def extract_prompt(example: dict[str, Sequence]) -> dict[str, Sequence]:
     """``{chosen, rejected}`` with a shared beginning -> ``{prompt, chosen, rejected}`` (plait's
     ``format.implicit_preference``: whole leading messages, or text cut at a word boundary)."""
-    fmt = _plugins().data_formats.get("format.implicit_preference").obj
+    fmt = _registered("data_formats", "format.implicit_preference", "extract_prompt").obj
     return fmt.convert({"chosen": example["chosen"], "rejected": example["rejected"]})
 
 
@@ -239,7 +253,7 @@ class _Registered:
             raise PlaitError(f"{type(self).__name__}: truncation_mode={truncation_mode!r}; use 'keep_start' or 'keep_end'")
         self.pad_token_id, self.max_length, self.truncation_mode = pad_token_id, max_length, truncation_mode
         self.pad_to_multiple_of, self.return_tensors = pad_to_multiple_of, return_tensors
-        factory = _plugins().collators.get(collator or self.collator, family="collator").obj
+        factory = _registered("collators", collator or self.collator, type(self).__name__, family="collator").obj
         self._collate = factory(SimpleNamespace(pad_token_id=pad_token_id), pad_to_multiple_of=pad_to_multiple_of)
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from plait.data.chat import tokenizer_of
 from plait.data.vision import RowInputs, image_token_ids
 from plait.errors import PlaitError
 from plait.online.generation import (
+    SAMPLING,
     GenerationBackend,
     Generations,
     SamplingParams,
@@ -240,6 +241,9 @@ def transformers_backend(model, processing_class, args=None) -> TransformersBack
         pad_to_multiple_of=padding_multiple(getattr(p, "pad_to_multiple_of", None), device),
         continuous_batching=_continuous_batching(p),
     )
+
+
+transformers_backend.default_for = SAMPLING  # a config naming no backend gets this one (resolve_backend)
 
 
 @hookimpl

@@ -7,6 +7,8 @@ image processor runs once per row of the batch and the results travel as one
 A batch with ``k`` rows per example (preference: chosen rows then rejected rows) repeats the
 examples' images ``k`` times in that order. ``labels`` are -100 at image tokens, whatever the
 inner collator did. Rows without images get no inputs: text-only batches stay text-only.
+
+Declared the default for ``images`` (its ``default_for``): the trainer asks for that role, not this name.
 """
 
 from plait import hookimpl
@@ -39,6 +41,9 @@ def image_collator(processing_class, *, inner):
         return batch
 
     return collate
+
+
+image_collator.default_for = "images"  # the trainer asks for this role (plait.registry.Registry.default)
 
 
 @hookimpl
