@@ -23,7 +23,7 @@ from plait.errors import PlaitError
 from plait.manager import default_plugins
 from plait.online.generation import GenerationBackend, SamplingParams, padding_multiple
 from plait.online.importance_sampling import importance_weights
-from plait.online.trainer import pack, split_rows
+from plait.online.buffer import pack, split_rows
 from plait.plugins.generation import transformers_backend, vllm_colocate, vllm_server
 from plait.plugins.generation._vllm import vllm_sampling
 from plait.plugins.methods.distill import DistillConfig, DistillTrainer

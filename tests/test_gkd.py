@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from plait import PlaitError, make_plugins
 from plait.engine.batches import TokenDistributions
 from plait.losses.distill_jsd import JSDParams, distill_jsd
-from plait.online.trainer import pack
+from plait.engine.layout import pad_token_id
+from plait.online.buffer import pack
 from plait.plugins.methods.gkd import GKDConfig, GKDTrainer
 from plait.testing.tiny_model import noisy_tiny_model, tiny_model_path
 
@@ -64,7 +65,7 @@ def test_the_trainers_loss_is_the_token_mean_of_the_untempered_jsd(tmp_path):
     gkd = trainer(tmp_path, beta=0.3, temperature=0.6)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
     completions = [[20, 21, 22, 23], [30, 31]]
-    batch = pack(prompts, completions, gkd.pad_id(), torch.device("cpu"))
+    batch = pack(prompts, completions, pad_token_id(gkd.processing_class), torch.device("cpu"))
     batch["num_items"] = batch["completion_mask"].sum().float()
     loss = gkd.compute_loss(gkd.model, batch)
 

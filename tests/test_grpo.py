@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM
 
 import plait
 from plait.errors import PlaitError
-from plait.online.trainer import GenerationSizes, GroupSampler, generation_sizes, importance_weights
+from plait.online.buffer import GenerationSizes, GroupSampler, generation_sizes
+from plait.online.importance_sampling import importance_weights
 from plait.testing.tiny_model import tiny_model_path
 
 PROMPTS = [{"prompt": p} for p in ("The river", "A good answer", "What is 7 plus 5?", "Python is",

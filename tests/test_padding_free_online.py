@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 import plait
 from plait import PlaitError
 from plait.engine.logprobs import token_logprobs
-from plait.online.trainer import pack, packed_token_logprobs
+from plait.online.buffer import pack
+from plait.online.chassis import packed_token_logprobs
 from plait.testing.tiny_model import noisy_tiny_model, tiny_model_path
 
 PROMPTS = [{"prompt": p} for p in ("The river", "A good answer to the question of the day", "What is 7 plus 5?",

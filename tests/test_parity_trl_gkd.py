@@ -19,7 +19,7 @@ trl = pytest.importorskip("trl")  # noqa: E402  (only .venv-trl has it: make tes
 from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from plait.online.trainer import pack
+from plait.online.buffer import pack
 from plait.plugins.methods import gkd as plait_gkd  # noqa: E402
 from plait.testing.tiny_model import noisy_tiny_model, tiny_model_path  # noqa: E402
 

@@ -21,7 +21,7 @@ from plait.engine.batches import PolicyTokens
 from plait.errors import PlaitError
 from plait.online.rollouts import turn_suffix
 from plait.online.tools import Tool, ToolCall, call_tool, parse_hermes, resolve_tools, run_sandboxed
-from plait.online.trainer import completion_columns
+from plait.online.buffer import completion_columns
 from plait.plugins.environments.calculator import calculator, evaluate
 from plait.testing.tiny_model import tiny_model_path
 from plait.testing.tool_model import ANSWER, QUESTION, tool_model_path

@@ -18,12 +18,12 @@ from __future__ import annotations
 import abc
 import functools
 import logging
-import math
 from typing import Any, Mapping, Sequence
 
 import attrs
 
 from plait.data.chat import encode, is_conversational, render_prompt, tokenizer_of
+from plait.engine.layout import check_multiple, padded_length
 from plait.errors import PlaitError
 from plait.params import in_range, one_of, positive
 
@@ -204,17 +204,12 @@ def _padding_multiple(instance, attribute, value) -> None:
 
 
 def padding_multiple(value: int | str | None, device) -> int | None:
-    """What ``pad_to_multiple_of`` means on ``device``: "auto" pads to a multiple of 128 on AWS
-    Neuron (which compiles once per input shape, so fewer shapes mean fewer compilations) and not
-    at all elsewhere (TRL 1.16's rule); an integer is that multiple; None is no padding."""
-    if value == "auto":
-        return 128 if getattr(device, "type", str(device)) == "neuron" else None
-    return value
+    """What ``pad_to_multiple_of`` means on ``device``: the collators' rule,
+    :func:`plait.engine.layout.check_multiple`, for that device's type."""
+    return check_multiple(value, getattr(device, "type", str(device)))
 
 
-def padded_width(width: int, multiple: int | None) -> int:
-    """``width`` rounded up to a multiple of ``multiple`` (unchanged when None)."""
-    return width if not multiple else math.ceil(width / multiple) * multiple
+padded_width = padded_length  # a width rounded up to a multiple (unchanged when None)
 
 
 @functools.cache

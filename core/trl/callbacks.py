@@ -27,6 +27,7 @@ from transformers import GenerationConfig, TrainerCallback
 
 from plait.data import vision
 from plait.data.pretrained import pretrained_kwargs
+from plait.engine.layout import pad_token_id
 from plait.engine.models import Reference, SyncReference
 from plait.errors import PlaitError
 
@@ -115,7 +116,7 @@ class LogCompletionsCallback(TrainerCallback):
         accelerator = self.trainer.accelerator
         model = accelerator.unwrap_model(model)
         config = self._generation_config(model)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad = pad_token_id(tokenizer)
         prompts, completions, sizes = [], [], []
         images = self._images(processing_class)
         with_images = any(images)
@@ -151,7 +152,7 @@ class LogCompletionsCallback(TrainerCallback):
             return
         from accelerate.utils import gather_object
 
-        from plait.online.trainer import format_table
+        from plait.online.chassis import format_table
 
         tokenizer = kwargs.get("processing_class") or self.trainer.processing_class
         columns_out = [gather_object(c) for c in self.completions(self.trainer.model_wrapped, tokenizer,

@@ -31,7 +31,7 @@ import attrs
 
 from plait import PlaitError, hookimpl
 from plait.online.scoring import completion_text
-from plait.online.trainer import prompt_text
+from plait.online.chassis import prompt_text
 from plait.plugins.judges.pairwise import TEMPLATE, parse_choice
 
 

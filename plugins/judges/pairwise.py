@@ -26,7 +26,7 @@ from plait import PlaitError, hookimpl
 from plait.data.chat import has_chat_template
 from plait.online.generation import SamplingParams, encode_prompts
 from plait.online.scoring import completion_text
-from plait.online.trainer import prompt_text
+from plait.online.chassis import prompt_text
 
 TEMPLATE = """Two answers to the same request follow. Decide which one answers it better: more helpful, \
 correct and clear. Reply with a single digit, 0 for the first answer or 1 for the second.

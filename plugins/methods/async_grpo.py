@@ -55,7 +55,8 @@ from transformers import TrainerCallback
 from plait import Method, PlaitError, hookimpl
 from plait.engine.config import method_config
 from plait.online.generation import Generations, SamplingParams
-from plait.online.trainer import completion_columns, pack
+from plait.online.buffer import completion_columns, pack
+from plait.online.chassis import Draft, prompt_ids_of
 from plait.online.weights import full_tensor, policy_parameters
 from plait.params import int_at_least
 
@@ -494,8 +495,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             sampler.set_epoch(epoch)
             self._epoch_order = (epoch, list(sampler))
         rows = self._epoch_order[1][position * rows_per_batch:position * rows_per_batch + sizes.local]
-        batch = self.data_collator([self.train_dataset[k] for k in rows])
-        return [row[mask.bool()].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
+        return prompt_ids_of(self.data_collator([self.train_dataset[k] for k in rows]))
 
     def _job(self, index: int, prompt_ids: list[list[int]], min_version: int) -> Job:
         g = self.group_size
@@ -511,10 +511,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
                                          self.due_step(ahead) - self.args.params.max_staleness))
             self._submitted = ahead
 
-    def generate(self, prompt_ids: list[list[int]], g: int) -> Generations:
+    def sample(self, inputs: dict) -> Draft:
+        """The generation batch the worker sampled for these prompts (regenerated when too stale)."""
         if not self.model.training:  # evaluation samples in the trainer, from the current weights
             with self.worker.exclusive() if self.worker is not None else contextlib.nullcontext():
-                return super().generate(prompt_ids, g)
+                return super().sample(inputs)
+        prompt_ids = prompt_ids_of(inputs)
         p, step = self.args.params, self.state.global_step
         index = self.buffer.step // self.buffer.per_rollout
         if self.worker is None:
@@ -538,7 +540,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
                      "async/generation_seconds": result.seconds})
         if result.generations.logprobs is None:
             _warn_no_logprobs()
-        return result.generations
+        return self.sampled(inputs, prompt_ids, result.generations)
 
     # -- resume -------------------------------------------------------------------------------
     def resume_state(self) -> dict:

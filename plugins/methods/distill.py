@@ -27,9 +27,10 @@ from plait.engine.config import method_config
 from plait.engine.logprobs import compare_distributions
 from plait.engine.models import load_model
 from plait.engine.objective import Objective
+from plait.online.buffer import GenerationSizes
+from plait.online.chassis import Draft, RolloutParams, RolloutTrainer
 from plait.params import in_range, positive
 
-from ._onpolicy import OnPolicyParams, OnPolicyTrainer
 
 HUB_KWARGS = ("revision", "cache_dir", "local_files_only", "token")  # where the teacher's tokenizer is found too
 
@@ -40,7 +41,7 @@ def _positive_int(instance, attribute, value) -> None:
 
 
 @attrs.define
-class TeacherParams(OnPolicyParams):
+class TeacherParams(RolloutParams):
     """What every student/teacher method shares (distill, GKD); names follow TRL's configs.
 
     ``beta`` interpolates the divergence (0 forward KL, 1 reverse KL, between the generalised
@@ -73,11 +74,12 @@ DistillConfig = method_config(
 )
 
 
-class DistillTrainer(OnPolicyTrainer):
+class DistillTrainer(RolloutTrainer):
     """On-policy distillation from a teacher with composable ``distill.*`` divergences."""
 
     method = "distill"
     config_class = DistillConfig
+    prompt_collator = "collator.prompt_only"
 
     def __init__(self, model, teacher_model: str | PreTrainedModel | None = None, args=None, **kwargs):
         self._teacher_spec = teacher_model
@@ -98,8 +100,9 @@ class DistillTrainer(OnPolicyTrainer):
             raise PlaitError(f"teacher_model_revision={p.teacher_model_revision!r} applies to a teacher loaded by name, "
                              "but teacher_model is a loaded model; pass its path or hub id, or drop the revision")
 
-    def rollout_plan(self, args) -> tuple[int, int]:
-        return args.gradient_accumulation_steps, 1  # one rollout per optimizer step, used once
+    def rollout_plan(self, args) -> GenerationSizes:
+        # one rollout per optimizer step, used once
+        return GenerationSizes.one_per_prompt(args, args.gradient_accumulation_steps, 1)
 
     def sampling_params(self):
         p = self.args.params
@@ -150,24 +153,18 @@ class DistillTrainer(OnPolicyTrainer):
                              f"{differ}); distillation compares distributions token by token, so the teacher must "
                              "share the student's tokenizer")
 
-    # -- one rollout --------------------------------------------------------------------------
-    @torch.no_grad()
-    def rollout(self, inputs: dict) -> dict:
-        prompt_ids, generations = self.sample(inputs)
-        return self.distillation_batch(inputs, prompt_ids, generations.completion_ids, generations.finished,
-                                       generations.texts)
-
-    def distillation_batch(self, inputs: dict, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                           finished: list[bool], texts: list[str]) -> dict:
-        """Prompts and completions (from whichever source) packed for the loss, with its normaliser."""
-        batch = self.pack_rollout(prompt_ids, completion_ids)
-        tokens = batch["completion_mask"].sum()
-        if self.model.training:  # normalise by the tokens of the whole optimizer step, over every process
+    # -- one rollout: sampled, then graded by the teacher token by token in the loss -----------
+    def estimate(self, draft: Draft) -> None:
+        """The loss's normaliser: the completion tokens of the whole optimizer step, over every process."""
+        tokens = draft.batch["completion_mask"].sum()
+        if self.model.training:
             tokens = self.accelerator.gather(tokens.reshape(1)).sum().float() / self.accelerator.num_processes
-        batch["num_items"] = tokens.float().clamp(min=1.0)
-        self.record_lengths(batch["completion_mask"], torch.tensor(finished, device=tokens.device))
-        self.keep_completions(inputs["prompt"], texts)
-        return batch
+        draft.batch["num_items"] = tokens.float().clamp(min=1.0)
+
+    def record_rollout(self, draft: Draft) -> dict:
+        self.record_lengths(draft.batch["completion_mask"], draft.finished)
+        self.keep_completions(draft.prompts, draft.generations.texts)
+        return draft.batch
 
     # -- the loss -------------------------------------------------------------------------------
     def loss_temperature(self) -> float:

@@ -21,12 +21,12 @@ from __future__ import annotations
 import random
 
 import attrs
-import torch
 
 from plait import Method, PlaitError, hookimpl
 from plait.data.chat import tokenizer_of
 from plait.data.prepare import prepare_dataset
 from plait.engine.config import method_config
+from plait.online.chassis import Draft, prompt_ids_of
 from plait.online.generation import Generations
 from plait.params import in_range, int_at_least, positive
 
@@ -134,22 +134,22 @@ class GKDTrainer(DistillTrainer):
             factory = self.plugins.generation_backends.get(TRANSFORMERS_BACKEND).obj
             self.teacher_backend = factory(self.teacher, self.processing_class, self.args)
 
-    @torch.no_grad()
-    def rollout(self, inputs: dict) -> dict:
+    def sample(self, inputs: dict) -> Draft:
+        """Completions from the student (the backend), the teacher or the dataset, as the coin says."""
         source = self.completion_source()
         if source == "student":
-            prompt_ids, generations = self.sample(inputs)
+            draft = super().sample(inputs)
         else:
-            prompt_ids = [row[m.bool()].tolist() for row, m in zip(inputs["input_ids"], inputs["attention_mask"])]
+            prompt_ids = prompt_ids_of(inputs)
             if source == "teacher":
                 generations = self.teacher_backend.generate(prompt_ids, self.sampling_params())
             else:
                 completion_ids = [list(ids) for ids in inputs["completion_ids"]]
                 texts = tokenizer_of(self.processing_class).batch_decode(completion_ids, skip_special_tokens=True)
                 generations = Generations(prompt_ids, completion_ids, texts, [True] * len(completion_ids))
+            draft = self.sampled(inputs, prompt_ids, generations)
         self.record({"on_policy": float(source == "student")})
-        return self.distillation_batch(inputs, prompt_ids, generations.completion_ids, generations.finished,
-                                       generations.texts)
+        return draft
 
 
 @hookimpl

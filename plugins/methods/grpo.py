@@ -4,7 +4,7 @@ For each prompt the policy samples ``num_generations`` completions; reward funct
 them; an advantage estimator turns the scores into advantages relative to the group (no value
 network); a clipped policy-gradient loss of the ``grpo.*`` family (``dapo`` by default, or any
 registered one, composed by name) takes the step. The sampling, scoring and buffer re-use live
-in :class:`plait.online.trainer.OnlineTrainer`; this module only says which estimator and which losses.
+in :class:`plait.online.chassis.OnlineTrainer`; this module only says which estimator and which losses.
 
 TRL's entropy fields map onto losses of the same family: ``entropy_coef`` ≠ 0 adds
 ``grpo.entropy_bonus`` weighted by it, ``use_adaptive_entropy`` adds ``grpo.adaptive_entropy_bonus``
@@ -24,7 +24,7 @@ from plait import Method, PlaitError, hookimpl
 from plait.engine.batches import PolicyTokens
 from plait.engine.config import method_config
 from plait.engine.logprobs import fp32_projection
-from plait.online.trainer import OnlineParams, OnlineTrainer
+from plait.online.chassis import OnlineParams, OnlineTrainer
 from plait.params import finite, in_range, non_negative, positive
 
 # TRL's scale_rewards values -> the registered estimator that implements each
@@ -129,6 +129,7 @@ class GRPOTrainer(OnlineTrainer):
     config_class = GRPOConfig
     loss_family = "grpo"
     shared_loss_fields = SHARED_LOSS_FIELDS
+    prompt_collator = "collator.prompt_only"
 
     def advantages(self, rewards, *, batch, old_logps, ref_logps) -> torch.Tensor:
         return self.estimator(self.gather_rollout(rewards))

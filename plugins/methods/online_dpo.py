@@ -9,7 +9,7 @@ the composed ``dpo.*`` losses (``dpo.sigmoid`` by default, TRL's ``loss_type`` o
 list) against the reference (:class:`plait.engine.models.Reference`: a frozen copy, ``ref_model``, or the
 policy with its adapters off). A tie (-1) keeps the pair out of the loss (it still counts in the
 metrics). The sampling, the data of prompts, the completions table and the buffer are
-:class:`plait.online.trainer.OnlineTrainer`'s; only the pairing and the loss are this module's.
+:class:`plait.online.chassis.OnlineTrainer`'s; only the pairing and the loss are this module's.
 
 TRL 1.16's OnlineDPOTrainer takes ``reward_funcs`` (summed with ``reward_weights``) where older
 TRL took a ``judge``; plait takes both: ``reward_funcs`` (or ``reward_model_path``) become a
@@ -26,14 +26,13 @@ import attrs
 import torch
 
 from plait import Method, PlaitError, hookimpl
-from plait.data.chat import is_conversational
 from plait.engine.batches import PreferenceLogps
 from plait.engine.config import method_config
 from plait.engine.models import Reference
 from plait.engine.objective import Objective
 from plait.engine.trainer import PlaitTrainer
-from plait.online.generation import resolve_backend
-from plait.online.trainer import GenerationSizes, OnlineParams, OnlineTrainer, RolloutBuffer, completion_columns, pack
+from plait.online.buffer import GenerationSizes, completion_columns
+from plait.online.chassis import Draft, OnlineParams, OnlineTrainer, RolloutTrainer
 from plait.params import int_at_least, positive
 from plait.registry import Component
 
@@ -141,6 +140,7 @@ class OnlineDPOTrainer(OnlineTrainer):
     config_class = OnlineDPOConfig
     takes_images = False  # its pair sampling and judges read text only
     loss_family = "dpo"
+    prompt_collator = "collator.prompt_only"
     _judge_spec = None  # the constructor's judge; a class default because validate() runs without __init__
 
     def __init__(self, model, ref_model=None, reward_funcs=None, judge=None, args=None, data_collator=None,
@@ -155,13 +155,17 @@ class OnlineDPOTrainer(OnlineTrainer):
                               quantization_config=quantization_config, ref_model=ref_model)
 
     # -- construction -------------------------------------------------------------------------
+    def rollout_plan(self, args) -> GenerationSizes:
+        # per_device_train_batch_size counts prompts, as in TRL: each micro-batch samples its own pairs
+        return GenerationSizes(PAIR * args.per_device_train_batch_size, args.world_size, 1, PAIR,
+                               args.params.num_iterations)
+
     def validate(self, args) -> None:
         p = args.params
         if args.remove_unused_columns:
             raise PlaitError("remove_unused_columns=True would drop the prompt and the columns judges read; "
                              "set remove_unused_columns=False (online DPO's default)")
-        # per_device_train_batch_size counts prompts, as in TRL: each micro-batch samples its own pairs
-        self.sizes = GenerationSizes(PAIR * args.per_device_train_batch_size, args.world_size, 1, PAIR)
+        RolloutTrainer.validate(self, args)  # the chassis' sizes and backend; GRPO's reward checks are not ours
         if args.eval_strategy != "no" and args.per_device_eval_batch_size % PAIR:
             raise PlaitError(f"per_device_eval_batch_size={args.per_device_eval_batch_size} counts evaluation "
                              "completions, two per prompt; make it even")
@@ -172,7 +176,6 @@ class OnlineDPOTrainer(OnlineTrainer):
                              "or drop missing_eos_penalty")
         self._beta = p.beta_at(0)
         self.objective = self.build_objective(p)
-        self.backend_component = resolve_backend(self.plugins, args)
         self.reward_funcs = []  # the judge scores; the base's reward bookkeeping stays empty
 
     def _resolve_judge(self, p):
@@ -213,36 +216,39 @@ class OnlineDPOTrainer(OnlineTrainer):
     def after_init(self) -> None:
         super().after_init()
         self.loss_is_scaled_for_ga = None  # dpo.* losses are means over pairs: the Trainer divides by accumulation
-        self.buffer = RolloutBuffer(1, self.args.params.num_iterations, lambda rollout, parts, generator: [rollout],
-                                    self.args.seed)
+
+    def split_rollout(self, rollout: dict, parts: int, generator: torch.Generator) -> list[dict]:
+        return [rollout]  # each micro-batch samples its own pairs, used whole ``num_iterations`` times
+
+    @property
+    def group_size(self) -> int:
+        return PAIR
 
     @property
     def beta(self) -> float:
         return self.args.params.beta_at(self.state.epoch)
 
     # -- one rollout: sample pairs, judge them, put chosen rows first -------------------------
-    @torch.no_grad()
-    def rollout(self, inputs: dict) -> dict:
-        p = self.args.params
-        device = self.accelerator.device
-        prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(inputs["input_ids"], inputs["attention_mask"])]
-        prompts = inputs["prompt"]  # each prompt twice in a row (the sampler's groups of 2)
-        columns = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "prompt")}
-        generations = self.generate(prompt_ids, PAIR)
-        batch = self._truncate_left(pack(prompt_ids, generations.completion_ids, self._pad_id(), device,
-                                         self.padding_multiple))
-        finished = torch.tensor(generations.finished, device=device)
-        completions = [[{"role": "assistant", "content": t}] if is_conversational(pr) else t
-                       for t, pr in zip(generations.texts, prompts)]
-        winners, scores = self.judge_pairs(prompts, completions, generations.completion_ids, columns, finished)
-        first = torch.arange(0, len(prompt_ids), PAIR, device=device)
-        chosen = first + winners.clamp(min=0)  # a tie keeps the sampled order (and stays out of the loss)
-        order = torch.cat([chosen, first + 1 - winners.clamp(min=0)])
-        out = {key: batch[key][order] for key in ("input_ids", "attention_mask", "completion_mask")}
-        out.update(prompt_length=batch["prompt_length"], decided=(winners >= 0).repeat(PAIR))
+    def score(self, draft: Draft) -> None:
+        """The judge's verdict on each pair (``draft.winners``) and, from a scoring judge, each completion's score."""
+        draft.winners, draft.scores = self.judge_pairs(draft.prompts, draft.completions,
+                                                       draft.generations.completion_ids, draft.columns, draft.finished)
+
+    def estimate(self, draft: Draft) -> None:
+        """The pairs chosen rows first (``draft.pairs``), with the reference's log-probs."""
+        winners = draft.winners
+        first = torch.arange(0, len(draft.prompt_ids), PAIR, device=self.accelerator.device)
+        draft.chosen = first + winners.clamp(min=0)  # a tie keeps the sampled order (and stays out of the loss)
+        draft.order = torch.cat([draft.chosen, first + 1 - winners.clamp(min=0)])
+        out = {key: draft.batch[key][draft.order] for key in ("input_ids", "attention_mask", "completion_mask")}
+        out.update(prompt_length=draft.batch["prompt_length"], decided=(winners >= 0).repeat(PAIR))
         with self.compute_loss_context_manager():
             out["ref_logps"] = self.reference(self.model_wrapped, lambda m: self.logps_of(m, out))
-        metrics = {"val/contain_eos_token": finished.float().mean(), "judge/ties": (winners < 0).float().mean()}
+        draft.pairs = out
+
+    def record_rollout(self, draft: Draft) -> dict:
+        out, winners, scores, chosen, order = draft.pairs, draft.winners, draft.scores, draft.chosen, draft.order
+        metrics = {"val/contain_eos_token": draft.finished.float().mean(), "judge/ties": (winners < 0).float().mean()}
         if scores is not None:
             out["scores"] = scores[order]
             metrics.update({"objective/scores": scores.mean(),
@@ -251,7 +257,7 @@ class OnlineDPOTrainer(OnlineTrainer):
         table = {"chosen": torch.zeros(len(order)).index_fill(0, chosen.cpu(), 1.0), "judge": winners.repeat_interleave(PAIR)}
         if scores is not None:
             table["score"] = scores
-        self.keep_completions(prompts, generations.texts, **table)
+        self.keep_completions(draft.prompts, draft.generations.texts, **table)
         return out
 
     def judge_pairs(self, prompts, completions, completion_ids, columns, finished) -> tuple[torch.Tensor, Any]:
@@ -272,8 +278,9 @@ class OnlineDPOTrainer(OnlineTrainer):
                              "judge returns one of 0, 1 (the preferred completion) or -1 (a tie) per pair")
         return torch.tensor(verdict, device=device), None
 
-    def _truncate_left(self, batch: dict) -> dict:
-        """Drop the leftmost prompt columns beyond ``max_length`` (TRL's rule for the loss forward)."""
+    def pack_rollout(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> dict:
+        """The packed pairs without the leftmost prompt columns beyond ``max_length`` (TRL's rule for the loss forward)."""
+        batch = super().pack_rollout(prompt_ids, completion_ids)
         cut = batch["input_ids"].shape[1] - self.args.params.max_length
         if cut <= 0:
             return batch

@@ -43,17 +43,17 @@ from plait.engine.config import method_config
 from plait.engine.logprobs import token_logprobs
 from plait.engine.models import Reference, load_model
 from plait.engine.objective import Objective, normalise_loss_specs
+from plait.online.buffer import GenerationSizes
+from plait.online.chassis import Draft, RolloutParams, RolloutTrainer
 from plait.online.scoring import (
     RewardChoice,
     UnscoredBatches,
-    compute_rewards,
     resolve_advantage_estimator,
     resolve_reward_funcs,
     reward_weights,
 )
 from plait.params import in_range, int_at_least, non_negative, one_of, positive
 
-from ._onpolicy import OnPolicyParams, OnPolicyTrainer
 
 KL_ESTIMATORS = ("k1", "k3")
 VALUE_FOLDER = "value_model"
@@ -64,7 +64,7 @@ def _optional(validator):
 
 
 @attrs.define
-class PPOParams(OnPolicyParams, RewardChoice):
+class PPOParams(RolloutParams, RewardChoice):
     """PPO's knobs; names and defaults follow TRL's PPOConfig.
 
     The reward is ``reward_funcs`` (registered names, callables, reward-model paths; or the
@@ -250,11 +250,12 @@ def whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
     return (whitened if shift_mean else whitened + mean) * mask
 
 
-class PPOTrainer(OnPolicyTrainer):
+class PPOTrainer(RolloutTrainer):
     """PPO with a value model, GAE (or any token-level estimator) and ``ppo.*`` losses composed by name."""
 
     method = "ppo"
     config_class = PPOConfig
+    prompt_collator = "collator.prompt_only"
 
     def __init__(self, model, ref_model=None, reward_model=None, value_model=None, args=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_class=None, peft_config=None,
@@ -265,9 +266,10 @@ class PPOTrainer(OnPolicyTrainer):
                          optimizers=optimizers, plugins=plugins, ref_model=ref_model, value_model=value_model)
 
     # -- construction -------------------------------------------------------------------------
-    def rollout_plan(self, args) -> tuple[int, int]:
+    def rollout_plan(self, args) -> GenerationSizes:
         p = args.params
-        return args.gradient_accumulation_steps * p.num_mini_batches, p.num_ppo_epochs
+        return GenerationSizes.one_per_prompt(args, args.gradient_accumulation_steps * p.num_mini_batches,
+                                              p.num_ppo_epochs)
 
     def validate(self, args) -> None:
         super().validate(args)
@@ -402,12 +404,20 @@ class PPOTrainer(OnPolicyTrainer):
 
         return self.reference(self._policy, logps)[:, width:]
 
-    @torch.no_grad()
-    def rollout(self, inputs: dict) -> dict:
-        p = self.args.params
-        device = self.accelerator.device
-        prompt_ids, generations = self.sample(inputs)
-        batch = self.pack_rollout(prompt_ids, generations.completion_ids)
+    def score(self, draft: Draft) -> None:
+        """Each completion's score (``draft.scores``): its weighted rewards (0 where none scored), less
+        ``missing_eos_penalty`` when it never ended."""
+        p, device = self.args.params, self.accelerator.device
+        self.reward_scores(draft)
+        draft.scored = Rollout(rewards=draft.rewards, weights=self.reward_weights.to(device), group_size=1)
+        draft.scores = draft.scored.total_reward.nan_to_num(0.0)  # a completion no reward scored gets 0
+        if p.missing_eos_penalty is not None:
+            draft.scores = draft.scores - p.missing_eos_penalty * (~draft.finished).float()
+
+    def estimate(self, draft: Draft) -> None:
+        """The policy's, the value model's and the reference's view of the samples, per-token rewards
+        (the KL penalty everywhere, the score on the last completion token), advantages and returns."""
+        p, device, batch = self.args.params, self.accelerator.device, draft.batch
         mask = batch["completion_mask"].float()
         n, size = mask.shape[0], p.local_rollout_forward_batch_size
         parts = {"logps": [], "values": [], "ref": []}
@@ -420,58 +430,46 @@ class PPOTrainer(OnPolicyTrainer):
                 parts["ref"].append(self._reference_logps(batch, rows).float() if self.reference.available else logps)
         old_logps, old_values, ref_logps = (torch.cat(parts[k]) * mask for k in ("logps", "values", "ref"))
 
-        prompts, completions = self.completion_texts(inputs, generations)
-        columns = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "prompt")}
-        rewards = compute_rewards(self.reward_funcs, prompts=prompts, completions=completions,
-                                  completion_ids=generations.completion_ids, columns=columns,
-                                  trainer_state=self.state, on_error=p.reward_error_policy,
-                                  timeout=p.reward_timeout).to(device)
-        if self.model.training:
-            self.unscored.check(self.accelerator.gather(rewards))
-        rollout = Rollout(rewards=rewards, weights=self.reward_weights.to(device), group_size=1)
-        scores = rollout.total_reward.nan_to_num(0.0)  # a completion no reward scored gets 0
-        finished = torch.tensor(generations.finished, device=device)
-        if p.missing_eos_penalty is not None:
-            scores = scores - p.missing_eos_penalty * (~finished).float()
-
-        # Per-token rewards: the KL penalty everywhere, the score on the last completion token.
         log_ratio = ref_logps - old_logps
         kl = -log_ratio if p.kl_estimator == "k1" else torch.expm1(log_ratio) - log_ratio
-        kl = kl * mask
-        kl_coef = self.kl_controller.kl_coef
-        non_score = -kl_coef * kl
+        draft.kl = kl * mask
+        draft.kl_coef = self.kl_controller.kl_coef
+        draft.non_score = -draft.kl_coef * draft.kl
         last = (mask.sum(-1).long() - 1).clamp(min=0)
-        token_rewards = non_score.clone()
-        token_rewards[torch.arange(n, device=device), last] += scores * (mask.sum(-1) > 0)
+        token_rewards = draft.non_score.clone()
+        token_rewards[torch.arange(n, device=device), last] += draft.scores * (mask.sum(-1) > 0)
         if p.whiten_rewards:
             token_rewards = whiten(token_rewards, mask, shift_mean=False)
 
-        rollout = attrs.evolve(rollout, token_rewards=token_rewards, values=old_values, mask=mask.bool())
+        rollout = attrs.evolve(draft.scored, token_rewards=token_rewards, values=old_values, mask=mask.bool())
         advantages = self.estimator(rollout).to(device).float() * mask
-        returns = advantages + old_values
-        advantages = whiten(advantages, mask)
+        draft.old_logps, draft.old_values, draft.returns = old_logps, old_values, advantages + old_values
+        draft.advantages = whiten(advantages, mask)
 
-        sequence_kl = kl.sum(-1)
+    def record_rollout(self, draft: Draft) -> dict:
+        """The KL controller's observation, the objective's metrics, and the buffer's tensors."""
+        n, mask = len(draft.prompt_ids), draft.batch["completion_mask"].float()
+        sequence_kl = draft.kl.sum(-1)
         if self.model.training:
             self._episodes = getattr(self, "_episodes", 0) + n * self.accelerator.num_processes
         self.kl_controller.observe(self.accelerator.gather(sequence_kl).mean().item(),
                                    n * self.accelerator.num_processes)
-        gathered = self.accelerator.gather
+        gathered, scores, rewards = self.accelerator.gather, draft.scores, draft.rewards
         self.record({
             "objective/kl": gathered(sequence_kl).mean(),
-            "objective/entropy": gathered(-(old_logps * mask).sum(-1)).mean(),
-            "objective/non_score_reward": gathered(non_score.sum(-1)).mean(),
-            "objective/rlhf_reward": gathered(scores + non_score.sum(-1)).mean(),
+            "objective/entropy": gathered(-(draft.old_logps * mask).sum(-1)).mean(),
+            "objective/non_score_reward": gathered(draft.non_score.sum(-1)).mean(),
+            "objective/rlhf_reward": gathered(scores + draft.non_score.sum(-1)).mean(),
             "objective/scores": gathered(scores).mean(),
-            "objective/kl_coef": kl_coef,
-            "val/num_eos_tokens": gathered(finished.float().sum().reshape(1)).sum(),
+            "objective/kl_coef": draft.kl_coef,
+            "val/num_eos_tokens": gathered(draft.finished.float().sum().reshape(1)).sum(),
             "episode": getattr(self, "_episodes", 0),
             **{f"rewards/{f.name}/mean": gathered(rewards[:, k]).nanmean() for k, f in enumerate(self.reward_funcs)},
         })
-        self.record_lengths(batch["completion_mask"], finished)
-        self.keep_completions(prompts, generations.texts, score=scores.tolist())
-        return {**batch, "old_logps": old_logps, "old_values": old_values, "advantages": advantages,
-                "returns": returns}
+        self.record_lengths(draft.batch["completion_mask"], draft.finished)
+        self.keep_completions(draft.prompts, draft.generations.texts, score=scores.tolist())
+        return {**draft.batch, "old_logps": draft.old_logps, "old_values": draft.old_values,
+                "advantages": draft.advantages, "returns": draft.returns}
 
     # -- the loss ------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -1,6 +1,6 @@
 """RLOO: REINFORCE Leave-One-Out (Ahmadian et al. 2024, "Back to Basics", §3.2).
 
-Same sampling and scoring as GRPO (:class:`plait.online.trainer.OnlineTrainer`), with RLOO's own
+Same sampling and scoring as GRPO (:class:`plait.online.chassis.OnlineTrainer`), with RLOO's own
 choices: the reward is penalised by the sequence-level KL to the reference,
 
     R_i ← R_i − β·Σ_t (log π_old − log π_ref)        (β = beta, default 0.05),
@@ -19,7 +19,7 @@ from plait import Method, PlaitError, hookimpl
 from plait.engine.batches import PolicyTokens, Rollout
 from plait.engine.config import method_config
 from plait.online.scoring import total_reward
-from plait.online.trainer import OnlineParams, OnlineTrainer
+from plait.online.chassis import OnlineParams, OnlineTrainer
 from plait.params import non_negative
 
 SHARED_LOSS_FIELDS = ("epsilon", "epsilon_high", "delta")
@@ -60,6 +60,7 @@ class RLOOTrainer(OnlineTrainer):
     config_class = RLOOConfig
     loss_family = "rloo"
     shared_loss_fields = SHARED_LOSS_FIELDS
+    prompt_collator = "collator.prompt_only"
 
     def needs_old_logps(self) -> bool:
         return self.args.params.beta > 0 or super().needs_old_logps()  # the KL penalty uses log π_old

@@ -1,49 +1,75 @@
-"""The chassis of online methods (GRPO, RLOO): sample, score, estimate advantages, re-use a buffer.
+"""The one chassis of methods that learn from their own samples, and the GRPO family's trainer on it.
 
-One *generation batch* is ``per_device_train_batch_size × processes × steps_per_generation``
-completions (or ``generation_batch_size``): ``num_generations`` per prompt, groups kept
-together. Per generation batch the trainer
+:class:`RolloutTrainer` is what every online method stands on (GRPO, RLOO, online DPO, async GRPO,
+PPO, distillation, GKD): prompts as data (the method names the collator that batches them), the
+grouped sampler and loader, the rollout buffer served ``passes`` times over (:mod:`plait.online.buffer`),
+its resume state, the prediction step, the generation backend (resolved, started, sent the policy's
+weights when it holds its own, put to sleep while the policy trains), packing with the pad id, and
+the completions table. One rollout is four named steps a method overrides one at a time:
+
+1. :meth:`~RolloutTrainer.sample` draws completions through the backend and packs them into a :class:`Draft`,
+2. :meth:`~RolloutTrainer.score` scores them (reward functions, a judge; nothing for distillation,
+   whose teacher grades every token in the loss),
+3. :meth:`~RolloutTrainer.estimate` turns scores into what the loss learns from (group advantages,
+   PPO's values and GAE, a pair's order, a normaliser),
+4. :meth:`~RolloutTrainer.record_rollout` logs the rollout and returns the buffer's tensors.
+
+A method says what differs through hooks: :meth:`~RolloutTrainer.rollout_plan` (the group size, the
+micro-steps and passes of a rollout), :meth:`~RolloutTrainer.sampling_params` and
+:meth:`~RolloutTrainer.policy_module` (the module sampled from when the trained module wraps it, as
+PPO's policy + value model); a value model or a teacher are the method's own modules.
+
+:class:`OnlineTrainer` is the GRPO family's (GRPO, RLOO, async GRPO, online DPO): ``num_generations``
+completions per prompt, reward functions or an agent's episodes, the sampling and reference policies'
+log-probs, importance sampling, and a registered advantage estimator. Per generation batch it
 
 1. samples completions through the configured generation backend (``generation.<name>``),
-2. computes the sampling policy's log-probs when the buffer outlives one optimizer step
+2. scores every completion with the reward functions (:mod:`plait.online.scoring`) and gathers the
+   scores of all processes,
+3. computes the sampling policy's log-probs when the buffer outlives one optimizer step
    (``num_iterations`` > 1 or more micro-batches than one accumulation window), and the
-   reference's when the method needs them (beta > 0),
-3. scores every completion with the reward functions (:mod:`plait.online.scoring`), gathers the scores
-   of all processes, and turns them into advantages with a registered estimator,
+   reference's when the method needs them (beta > 0), and turns scores into advantages with a
+   registered estimator,
 4. serves the buffer, shuffled and cut into ``steps_per_generation`` micro-batches,
    ``num_iterations`` times over; each micro-batch becomes a :class:`plait.engine.batches.PolicyTokens`
    for the method's composed losses.
 
-The data loader hands out the same prompts for every micro-step of a generation batch (so the
-transformers Trainer counts steps and epochs correctly); only the first of them is generated from.
-A method subclasses :class:`OnlineTrainer` and says how advantages come from rewards and which
-ratio its clip metrics use. Nothing here names a concrete loss, reward, estimator or backend.
+Nothing here names a concrete loss, reward, estimator, collator or backend.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import numbers
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import attrs
 import torch
 from torch import Tensor
-from torch.utils.data import Sampler
 
 from plait.data import vision
 from plait.data.chat import is_conversational, text_of
 from plait.engine.attention import prompt_shared_layout
 from plait.engine.batches import PolicyTokens, Rollout, gather_ragged, masked_mean
+from plait.engine.layout import check_multiple, pad_token_id
 from plait.engine.models import Reference, ReferenceSync, SyncReference
 from plait.engine.objective import LossChoice, Objective
 from plait.engine.trainer import PlaitTrainer
 from plait.errors import PlaitError
 from plait.params import int_at_least, non_negative, one_of, positive
 
-from .generation import GenerationChoice, Generations, padded_width, padding_multiple, resolve_backend
+from .buffer import (
+    GenerationSizes,
+    GroupSampler,
+    RolloutBuffer,
+    completion_columns,
+    generation_sizes,
+    pack,
+    pad_floats,
+    split_rows,
+)
+from .generation import GenerationChoice, Generations, SamplingParams, resolve_backend
 from .importance_sampling import importance_sampling_metrics, importance_weights
 from .rollouts import Agent, AgentChoice
 from .scoring import (
@@ -135,177 +161,88 @@ class OnlineParams(ReferenceSync, AgentChoice, GenerationChoice, LossChoice, Rew
         return self.num_generations if training or self.num_generations_eval is None else self.num_generations_eval
 
 
-def completion_columns(input_ids: Tensor, prompt_length: int) -> Tensor:
-    """[B, T] mask of the completion columns (prompts are left-padded to ``prompt_length``): the only
-    tokens whose log-probs the online losses read, so the only positions the output layer projects."""
-    columns = torch.arange(input_ids.shape[1], device=input_ids.device) >= prompt_length
-    return columns.expand_as(input_ids)
+@attrs.define
+class RolloutParams(GenerationChoice, LossChoice):
+    """Sampling and data knobs of the one-completion-per-prompt methods (PPO, distillation, GKD), and
+    their losses; names follow TRL's configs. How completions are sampled and logged is
+    :class:`plait.online.generation.GenerationChoice`.
 
-
-# ---------------------------------------------------------------------------------------------
-# Sizes and the sampler
-# ---------------------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class GenerationSizes:
-    """How one generation batch divides: completions per process, micro-batches, prompts."""
-
-    per_device: int
-    processes: int
-    steps_per_generation: int
-    num_generations: int
-
-    @property
-    def local(self) -> int:
-        return self.per_device * self.steps_per_generation
-
-    @property
-    def total(self) -> int:
-        return self.local * self.processes
-
-    @property
-    def prompts(self) -> int:
-        return self.total // self.num_generations
-
-
-def generation_sizes(args) -> GenerationSizes:
-    """Resolve and check the generation batch of a config, before any model loads."""
-    p = args.params
-    per_device, processes, accumulation = args.per_device_train_batch_size, args.world_size, args.gradient_accumulation_steps
-    step = per_device * processes
-    if p.generation_batch_size is not None and p.steps_per_generation is not None:
-        raise PlaitError(f"generation_batch_size={p.generation_batch_size} and steps_per_generation="
-                         f"{p.steps_per_generation} both set the generation batch; give only one")
-    if p.generation_batch_size is not None:
-        if p.generation_batch_size % step:
-            raise PlaitError(
-                f"generation_batch_size={p.generation_batch_size} is not a multiple of per_device_train_batch_size "
-                f"{per_device} × {processes} processes = {step}; use a multiple of {step}")
-        spg = p.generation_batch_size // step
-    else:
-        spg = p.steps_per_generation or accumulation
-    sizes = GenerationSizes(per_device, processes, spg, p.num_generations)
-    if sizes.total % p.num_generations:
-        g = p.num_generations
-        divisors = [d for d in range(2, sizes.total + 1) if sizes.total % d == 0][:4]
-        multiple = math.lcm(step, g)
-        raise PlaitError(
-            f"the generation batch of {sizes.total} completions (per_device_train_batch_size {per_device} × "
-            f"{processes} processes × steps_per_generation {spg}) is not divisible by num_generations={g}; "
-            f"set num_generations to a divisor of {sizes.total} (e.g. {', '.join(map(str, divisors)) or 'none ≥ 2'}) "
-            f"or set generation_batch_size to a multiple of {multiple} (e.g. {multiple})")
-    return sizes
-
-
-class GroupSampler(Sampler[int]):
-    """Dataset indices for generation batches: each prompt ``group_size`` times in a row.
-
-    Prompts are drawn (shuffled per pass when ``shuffle``) ``prompts_per_batch`` at a time; each
-    batch's index list is emitted ``repeat`` times, once per micro-step that re-uses it. Only
-    whole generation batches are emitted.
+    Subclasses add ``temperature`` and the completion length under their own default, and name
+    their ``default_loss``.
     """
 
-    def __init__(self, size: int, group_size: int, prompts_per_batch: int, repeat: int = 1,
-                 shuffle: bool = True, seed: int = 0):
-        if size < prompts_per_batch:
-            raise PlaitError(f"the dataset has {size} prompts but one generation batch needs {prompts_per_batch}; "
-                             "add prompts or make the generation batch smaller")
-        self.size, self.group_size, self.prompts_per_batch = size, group_size, prompts_per_batch
-        self.repeat, self.shuffle, self.seed, self.epoch = repeat, shuffle, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        order = list(range(self.size))
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.size, generator=generator).tolist()
-            self.epoch += 1  # a fresh order on the next pass even if nobody calls set_epoch
-        for start in range(0, self.size - self.prompts_per_batch + 1, self.prompts_per_batch):
-            rows = [i for i in order[start:start + self.prompts_per_batch] for _ in range(self.group_size)]
-            for _ in range(self.repeat):
-                yield from rows
-
-    def __len__(self) -> int:
-        return (self.size // self.prompts_per_batch) * self.prompts_per_batch * self.group_size * self.repeat
+    max_prompt_length: int | None = attrs.field(default=None, validator=attrs.validators.optional(int_at_least(1)))
+    shuffle_dataset: bool = True
+    model_init_kwargs: dict | None = None
+    dataset_num_proc: int | None = None
 
 
-# ---------------------------------------------------------------------------------------------
-# The rollout buffer
-# ---------------------------------------------------------------------------------------------
+def prompt_ids_of(inputs: dict) -> list[list[int]]:
+    """The token ids of each prompt of a collated (left-padded) prompt batch."""
+    return [row[mask.bool()].tolist() for row, mask in zip(inputs["input_ids"], inputs["attention_mask"])]
 
 
-class RolloutBuffer:
-    """One rollout served as micro-batches, and where the run stands in it.
+def prompt_columns(inputs: dict) -> dict:
+    """The dataset's other columns of a prompt batch: what reward functions and judges may read."""
+    return {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "prompt", vision.KEY)}
 
-    A fresh rollout is sampled every ``micro_steps × passes`` micro-steps; each pass over it
-    starts with a reshuffle, ``split(rollout, micro_steps, generator)``, into ``micro_steps``
-    micro-batches. A checkpoint may fall anywhere in a rollout (``save_steps`` is the user's to
-    choose), so :meth:`state_dict` holds the position, the shuffle generator and, mid-rollout,
-    the rollout itself: resuming serves the same micro-batches an uninterrupted run would have.
-    """
 
-    def __init__(self, micro_steps: int, passes: int, split: Callable[[dict, int, torch.Generator], list[dict]],
-                 seed: int):
-        self.micro_steps, self.passes, self.split = micro_steps, passes, split
-        self.step = 0  # micro-steps served so far
-        self.rollout: dict | None = None
-        self.chunks: list[dict] = []
-        self.generator = torch.Generator().manual_seed(seed)
-        self._pass_start = self.generator.get_state()  # the generator as this pass's shuffle found it
+@attrs.define(slots=False)  # not slotted: a method's steps hand each other their own values as attributes
+class Draft:
+    """One rollout as its steps build it: :meth:`RolloutTrainer.sample` fills the prompts, the
+    generations and their packed rows (``batch``); :meth:`~RolloutTrainer.score` adds ``rewards``
+    (this process's, ``[N, K]``); :meth:`~RolloutTrainer.estimate` what the loss learns from."""
+
+    inputs: dict
+    prompt_ids: list[list[int]]
+    generations: Generations
+    batch: dict
+    finished: Tensor
+    columns: dict = attrs.field(default=attrs.Factory(lambda self: prompt_columns(self.inputs), takes_self=True))
+    rewards: Tensor | None = None
 
     @property
-    def per_rollout(self) -> int:
-        return self.micro_steps * self.passes
+    def prompts(self) -> list:
+        return self.inputs["prompt"]
 
-    def next(self, sample: Callable[[], dict]) -> dict:
-        """The next micro-batch; ``sample()`` is called when a new rollout is due."""
-        if self.step % self.per_rollout == 0:
-            self.rollout = sample()
-        if self.step % self.micro_steps == 0:  # a fresh shuffle for every pass over the rollout
-            self._reshuffle()
-        chunk = self.chunks[self.step % self.micro_steps]
-        self.step += 1
-        return chunk
-
-    def _reshuffle(self) -> None:
-        self._pass_start = self.generator.get_state()
-        self.chunks = self.split(self.rollout, self.micro_steps, self.generator)
-
-    def state_dict(self) -> dict:
-        """The position, the generator and (mid-rollout) the rollout on the CPU; mid-pass the
-        generator is saved as the pass found it, so the same shuffle is cut again on load."""
-        mid_pass = self.step % self.micro_steps != 0
-        state = {"step": self.step, "generator": self._pass_start if mid_pass else self.generator.get_state()}
-        if self.step % self.per_rollout:
-            state["rollout"] = {k: v.cpu() if torch.is_tensor(v) else v for k, v in self.rollout.items()}
-        return state
-
-    def load_state_dict(self, state: dict, device) -> None:
-        self.step = state["step"]
-        self.generator.set_state(state["generator"])
-        rollout = state.get("rollout")
-        self.rollout = None if rollout is None else {k: v.to(device) if torch.is_tensor(v) else v
-                                                     for k, v in rollout.items()}
-        self.chunks = []
-        if self.step % self.micro_steps:
-            self._reshuffle()
+    @property
+    def completions(self) -> list:
+        """The completions in the prompts' form (text, or an assistant message); an episode's messages."""
+        if getattr(self.generations, "messages", None) is not None:
+            return self.generations.messages
+        return [[{"role": "assistant", "content": t}] if is_conversational(p) else t
+                for t, p in zip(self.generations.texts, self.prompts)]
 
 
-# ---------------------------------------------------------------------------------------------
-# The trainer
-# ---------------------------------------------------------------------------------------------
+class RolloutTrainer(PlaitTrainer):
+    """Base of every trainer that learns from its own samples (see the module docstring).
 
-
-class PromptData:
-    """The data of a trainer that learns from its own samples: rows are prompts (the ``prompt_only``
-    task, cut to ``max_prompt_length``), batched left-padded by ``collator.prompt_only``.
-    Shared by :class:`OnlineTrainer` and the on-policy PPO/distillation base."""
+    A method sets ``prompt_collator`` (the registered collator batching its prompts), implements
+    :meth:`rollout_plan`, :meth:`sampling_params` and ``compute_loss``, and overrides the steps of
+    :meth:`rollout` it does differently.
+    """
 
     gives_eval_predictions = False  # no logits and labels for compute_metrics: evaluation samples and scores
+    prompt_collator: ClassVar[str]  # e.g. "collator.prompt_only", named by the method's module
 
+    # -- what a method says ---------------------------------------------------------------------
+    def rollout_plan(self, args) -> GenerationSizes:
+        """How a rollout divides: completions per prompt, micro-batches and passes over it."""
+        raise NotImplementedError
+
+    def sampling_params(self) -> SamplingParams:
+        raise NotImplementedError
+
+    def policy_module(self):
+        """The module the backend samples with (PPO trains a wrapper of policy and value model)."""
+        return self._policy
+
+    @property
+    def group_size(self) -> int:
+        """Completions per prompt in the rollout being built."""
+        return self.sizes.num_generations
+
+    # -- the data: prompts (the ``prompt_only`` task, cut to ``max_prompt_length``) -------------
     def prepare(self, dataset, processing_class, args, split):
         if dataset is None:
             return None
@@ -317,16 +254,138 @@ class PromptData:
                                chat_template_kwargs=p.chat_template_kwargs)
 
     def make_collator(self, processing_class, args):
-        return self.plugins.collators.get("collator.prompt_only").obj(processing_class)
+        return self.plugins.collators.get(self.prompt_collator).obj(processing_class)
 
+    # -- construction -------------------------------------------------------------------------
+    def validate(self, args) -> None:
+        self.sizes = self.rollout_plan(args)
+        self.backend_component = resolve_backend(self.plugins, args)  # unknown names and options fail now
 
-class CompletionsTable:
-    """The completions table of a trainer that learns from its own samples (``log_completions``):
-    the rows of the latest rollout (step, prompt, completion, per-row numbers such as rewards) are
-    printed at the next log, ``num_completions_to_print`` of them, and all are sent to wandb when
-    ``report_to`` includes it; ``log_unique_prompts`` keeps one row per prompt.
-    Shared by :class:`OnlineTrainer` and the on-policy PPO/distillation base."""
+    def after_init(self) -> None:
+        self.backend = self.backend_component.obj(self.policy_module(), self.processing_class, self.args)
+        self.backend.start()
+        self._synced_step = -1
+        self.padding_multiple = check_multiple(self.args.params.pad_to_multiple_of, self.accelerator.device.type)
+        self.buffer = RolloutBuffer(self.sizes.steps_per_generation, self.sizes.passes, self.split_rollout,
+                                    self.args.seed)
 
+    def split_rollout(self, rollout: dict, parts: int, generator: torch.Generator) -> list[dict]:
+        """One pass's micro-batches of a rollout: its rows shuffled and cut (:func:`plait.online.buffer.split_rows`)."""
+        return split_rows(rollout, parts, generator, self.padding_multiple)
+
+    # -- data loading -------------------------------------------------------------------------
+    def get_train_dataloader(self):
+        if self.train_dataset is None:
+            raise PlaitError(f"{type(self).__name__}.train() needs a train_dataset of prompts")
+        # One loader batch is one process's whole rollout; it is re-served for every micro-step.
+        return self._get_dataloader(self.train_dataset, "Training", self.sizes.local, self._get_train_sampler,
+                                    is_training=True)
+
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        sizes = self.sizes
+        return GroupSampler(len(dataset), sizes.num_generations, sizes.prompts,
+                            repeat=sizes.steps_per_generation * sizes.passes,
+                            shuffle=self.args.params.shuffle_dataset, seed=self.args.seed)
+
+    # -- the buffer ---------------------------------------------------------------------------
+    def _prepare_inputs(self, inputs):
+        if not self.model.training:  # evaluation: a fresh rollout, used once
+            return self.rollout(inputs)
+        return self.buffer.next(lambda: self.rollout(inputs))
+
+    def resume_state(self) -> dict:
+        return {**super().resume_state(), "buffer": self.buffer.state_dict()}
+
+    def load_resume_state(self, state: dict) -> None:
+        super().load_resume_state(state)
+        self.buffer.load_state_dict(state["buffer"], self.accelerator.device)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    # -- one rollout: sample, score, estimate, record -------------------------------------------
+    @torch.no_grad()
+    def rollout(self, inputs: dict) -> dict:
+        """One rollout of a collated prompt batch, as the buffer's tensors (rows first)."""
+        draft = self.sample(inputs)
+        self.score(draft)
+        self.estimate(draft)
+        return self.record_rollout(draft)
+
+    def sample(self, inputs: dict) -> Draft:
+        """``group_size`` completions of each prompt group, packed."""
+        prompt_ids = prompt_ids_of(inputs)
+        return self.sampled(inputs, prompt_ids, self.generate(prompt_ids, self.group_size, inputs.get(vision.KEY)))
+
+    def sampled(self, inputs: dict, prompt_ids: list[list[int]], generations: Generations) -> Draft:
+        """The draft of completions sampled (by the backend, a worker, a teacher or a dataset) for these prompts."""
+        batch = self.pack_rollout(prompt_ids, generations.completion_ids)
+        return Draft(inputs, prompt_ids, generations, batch, torch.tensor(generations.finished, device=self.accelerator.device))
+
+    def score(self, draft: Draft) -> None:
+        """Score the completions (``draft.rewards``); none by default: a teacher grades them in the loss."""
+
+    def estimate(self, draft: Draft) -> None:
+        """What the loss learns from the scores (advantages, values, a normaliser)."""
+
+    def record_rollout(self, draft: Draft) -> dict:
+        """Log the rollout and return the buffer's tensors: by default the packed rows."""
+        return draft.batch
+
+    # -- what the steps share ------------------------------------------------------------------
+    def generate(self, prompt_ids: list[list[int]], g: int, images: vision.RowInputs | None = None) -> Generations:
+        """Sample one completion per row. Rows come as whole groups when the process's share of the
+        rollout holds whole groups; then each prompt is sent once with n = g."""
+        backend = self.backend
+        if not backend.shares_weights and self._synced_step != self.state.global_step:
+            backend.load_weights(self.accelerator.unwrap_model(self.policy_module()))
+            self._synced_step = self.state.global_step
+        sampling = self.sampling_params()
+        grouped = len(prompt_ids) % g == 0 and all(
+            prompt_ids[i] == prompt_ids[i - i % g] for i in range(len(prompt_ids)))
+        with_images = {} if images is None else {"images": images.select(slice(None, None, g) if grouped else slice(None))}
+        if grouped:
+            out = backend.generate(prompt_ids[::g], attrs.evolve(sampling, num_generations=g), **with_images)
+        else:
+            out = backend.generate(prompt_ids, sampling, **with_images)
+        backend.sleep()  # the policy trains now: an engine may release its memory (it wakes to generate)
+        return out
+
+    def pack_rollout(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> dict:
+        """:func:`plait.online.buffer.pack` on this trainer's device, padded to ``pad_to_multiple_of``."""
+        return pack(prompt_ids, completion_ids, pad_token_id(self.processing_class), self.accelerator.device,
+                    self.padding_multiple)
+
+    def reward_scores(self, draft: Draft, logs: RewardLogs | None = None) -> Tensor:
+        """Score a draft with ``self.reward_funcs`` (``draft.rewards``, ``[N, K]``) and return every
+        process's scores; in training a run of unscored batches is an error."""
+        p = self.args.params
+        draft.rewards = compute_rewards(self.reward_funcs, prompts=draft.prompts, completions=draft.completions,
+                                        completion_ids=draft.generations.completion_ids, columns=draft.columns,
+                                        trainer_state=self.state, on_error=p.reward_error_policy,
+                                        timeout=p.reward_timeout, logs=logs).to(self.accelerator.device)
+        everyone = self.accelerator.gather(draft.rewards)
+        if self.model.training:
+            self.unscored.check(everyone)
+        return everyone
+
+    def record_lengths(self, completion_mask: Tensor, finished: Tensor) -> Tensor:
+        """Record the completion lengths over every process, and the share that ran out of tokens;
+        return every process's lengths."""
+        lengths = self.accelerator.gather(completion_mask.sum(-1).float())
+        done = self.accelerator.gather(finished.float())
+        self.record({"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+                     "completions/max_length": lengths.max(), "completions/clipped_ratio": 1 - done.mean()})
+        return lengths
+
+    # -- the completions table (``log_completions``) ---------------------------------------------
+    # The rows of the latest rollout (step, prompt, completion, per-row numbers such as rewards) are
+    # printed at the next log, ``num_completions_to_print`` of them, and all are sent to wandb when
+    # ``report_to`` includes it; ``log_unique_prompts`` keeps one row per prompt.
     _completions_table: list[dict] = []
 
     def keep_completions(self, prompts: list, texts: list[str], **columns) -> None:
@@ -355,10 +414,10 @@ class CompletionsTable:
                 wandb.log({"completions": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])})
 
 
-class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
-    """Base of GRPO/RLOO trainers. Subclasses set ``method``, ``config_class``, ``loss_family``
-    and ``shared_loss_fields``, give their params an ``advantage_spec()``, and implement
-    :meth:`advantages`."""
+class OnlineTrainer(RolloutTrainer):
+    """Base of the GRPO family's trainers. Subclasses set ``method``, ``config_class``, ``loss_family``,
+    ``shared_loss_fields`` and ``prompt_collator``, give their params an ``advantage_spec()``, and
+    implement :meth:`advantages`."""
 
     loss_family: ClassVar[str]
     shared_loss_fields: ClassVar[tuple[str, ...]] = ()  # params every loss that takes them receives
@@ -368,6 +427,7 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
     _reward_specs = None
     _reward_processing_classes = None
     _agent_args: dict = {}  # tools, environment_factory, rollout_func given to the constructor
+    agent: Agent | None = None  # multi-turn episodes (plait.online.rollouts), when the run has tools or an environment
     _images = False  # does the training data hold images (a VLM's prompts)?
     takes_images = True  # generation and every forward get the prompts' images (plait.data.vision)
 
@@ -384,12 +444,18 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
                          optimizers=optimizers, quantization_config=quantization_config, plugins=plugins)
 
     # -- construction -------------------------------------------------------------------------
+    def rollout_plan(self, args) -> GenerationSizes:
+        return generation_sizes(args)
+
+    def sampling_params(self) -> SamplingParams:
+        return self.args.params.sampling()
+
     def validate(self, args) -> None:
         p = args.params
         if args.remove_unused_columns:
             raise PlaitError("remove_unused_columns=True would drop the prompt and the columns reward functions read; "
                              "set remove_unused_columns=False (the default of online methods)")
-        self.sizes = generation_sizes(args)
+        super().validate(args)
         if args.eval_strategy != "no":
             eval_rows, g = args.per_device_eval_batch_size * args.world_size, p.generations_per_prompt(training=False)
             if eval_rows % g:
@@ -417,7 +483,6 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
         if p.sync_ref_model and not self.uses_reference(p):  # TRL 1.16 refuses it too
             raise PlaitError(f"sync_ref_model=True but beta={p.beta} uses no reference model, so there is nothing to "
                              "sync; set sync_ref_model=False or beta > 0")
-        self.backend_component = resolve_backend(self.plugins, args)  # unknown names and options fail now
         if self._images and not self.backend_component.options.get("images"):
             raise PlaitError(f"the prompts hold images but {self.backend_component.name} cannot pass images to the model; "
                              "set use_vllm=False to sample with generation.transformers")
@@ -466,6 +531,7 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
             self.reference = Reference.none()  # beta = 0: no reference model at all
         return model
 
+
     def after_init(self) -> None:
         p = self.args.params
         self.loss_is_scaled_for_ga = True  # every loss plugin normalises for accumulation itself
@@ -473,29 +539,10 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
             self.reference.model = self.accelerator.prepare_model(self.reference.model, evaluation_mode=True)
         if p.sync_ref_model:
             self.add_callback(SyncReference(self.reference))
-        self.backend = self.backend_component.obj(self.model, self.processing_class, self.args)
-        self.backend.start()
-        self._synced_step = -1
-        self.padding_multiple = padding_multiple(p.pad_to_multiple_of, self.accelerator.device)
-        split = functools.partial(split_rows, multiple=self.padding_multiple)
-        self.buffer = RolloutBuffer(self.sizes.steps_per_generation, p.num_iterations, split, self.args.seed)
+        super().after_init()
         self.unscored = UnscoredBatches([f.name for f in self.reward_funcs], p.max_unscored_batches)
 
     # -- data loading -------------------------------------------------------------------------
-    def get_train_dataloader(self):
-        if self.train_dataset is None:
-            raise PlaitError(f"{type(self).__name__}.train() needs a train_dataset of prompts")
-        # One loader batch is one process's whole generation batch; it is re-served per micro-step.
-        return self._get_dataloader(self.train_dataset, "Training", self.sizes.local, self._get_train_sampler,
-                                    is_training=True)
-
-    def _get_train_sampler(self, train_dataset=None):
-        p = self.args.params
-        dataset = train_dataset if train_dataset is not None else self.train_dataset
-        return GroupSampler(len(dataset), p.num_generations, self.sizes.prompts,
-                            repeat=self.sizes.steps_per_generation * p.num_iterations,
-                            shuffle=p.shuffle_dataset, seed=self.args.seed)
-
     def _get_eval_sampler(self, eval_dataset):
         g = self.args.params.generations_per_prompt(training=False)
         prompts = self.args.per_device_eval_batch_size * self.args.world_size // g
@@ -506,19 +553,11 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
         """Completions per prompt in the rollout being built (evaluation may use fewer)."""
         return self.args.params.generations_per_prompt(training=self.model.training)
 
-    # -- the buffer ---------------------------------------------------------------------------
-    def _prepare_inputs(self, inputs):
-        if not self.model.training:  # evaluation: a fresh rollout, scored and used once
-            return self.rollout(inputs)
-        return self.buffer.next(lambda: self.rollout(inputs))
-
     def resume_state(self) -> dict:
-        return {**super().resume_state(), "buffer": self.buffer.state_dict(),
-                "num_tokens": getattr(self, "_tokens_seen", 0)}
+        return {**super().resume_state(), "num_tokens": getattr(self, "_tokens_seen", 0)}
 
     def load_resume_state(self, state: dict) -> None:
         super().load_resume_state(state)
-        self.buffer.load_state_dict(state["buffer"], self.accelerator.device)
         self._tokens_seen = state["num_tokens"]
 
     def needs_old_logps(self) -> bool:
@@ -527,99 +566,88 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
         return self.args.gradient_accumulation_steps % uses != 0
 
     # -- one rollout --------------------------------------------------------------------------
-    @torch.no_grad()
-    def rollout(self, inputs: dict) -> dict:
-        p = self.args.params
-        device = self.accelerator.device
-        prompt_ids = [row[mask.bool()].tolist() for row, mask in zip(inputs["input_ids"], inputs["attention_mask"])]
-        prompts = inputs["prompt"]
-        columns = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "prompt", vision.KEY)}
-        n, g = len(prompt_ids), self.group_size
-        images = inputs.get(vision.KEY)  # a VLM's per-row image inputs (plait.data.vision), aligned with the rows
-
+    def sample(self, inputs: dict) -> Draft:
+        """A group's completions from the backend, or with tools, an environment or a rollout_func
+        multi-turn episodes (:mod:`plait.online.rollouts`)."""
         if self.agent is None:
-            # an override of generate (async GRPO's worker) that takes no images is called as before
-            generations = self.generate(prompt_ids, g) if images is None else self.generate(prompt_ids, g, images=images)
-        else:  # tools, an environment or a rollout_func: multi-turn episodes (plait.online.rollouts)
-            generations = self.agent.run(self, prompts, columns, g)
-            prompt_ids, columns = generations.prompt_ids, {**columns, **self.agent.columns(generations)}
-        batch = pack(prompt_ids, generations.completion_ids, self._pad_id(), device, self.padding_multiple)
-        if images is not None:
-            batch[vision.KEY] = images
-        if self.agent is not None:  # inserted tokens leave the completion mask for the tool mask
-            Agent.masks(batch, generations)
-        completion_mask = batch["completion_mask"]
-        finished = torch.tensor(generations.finished, device=device)
-        loss_mask = completion_mask * finished.unsqueeze(-1) if p.mask_truncated_completions else completion_mask
+            return super().sample(inputs)
+        columns = prompt_columns(inputs)
+        generations = self.agent.run(self, inputs["prompt"], columns, self.group_size)
+        draft = self.sampled(inputs, generations.prompt_ids, generations)
+        draft.columns = {**columns, **self.agent.columns(generations)}
+        return draft
 
+    def sampled(self, inputs: dict, prompt_ids: list[list[int]], generations: Generations) -> Draft:
+        """The packed rows with the prompts' images, an episode's tool mask, and ``loss_mask``: the
+        completion mask, without truncated completions under ``mask_truncated_completions``."""
+        draft = super().sampled(inputs, prompt_ids, generations)
+        images = inputs.get(vision.KEY)  # a VLM's per-row image inputs (plait.data.vision), aligned with the rows
+        if images is not None:
+            draft.batch[vision.KEY] = images
+        if self.agent is not None:  # inserted tokens leave the completion mask for the tool mask
+            Agent.masks(draft.batch, generations)
+        mask = draft.batch["completion_mask"]
+        draft.loss_mask = mask * draft.finished.unsqueeze(-1) if self.args.params.mask_truncated_completions else mask
+        return draft
+
+    def score(self, draft: Draft) -> None:
+        """Every completion's rewards; every process's (``draft.everyone``) for group statistics."""
+        logs = RewardLogs()  # what the reward functions log (log_extra, log_metric)
+        everyone = self.reward_scores(draft, logs)
+        self._record_logged_metrics(logs.metrics)
+        draft.everyone, draft.reward_logs = everyone, logs
+
+    def estimate(self, draft: Draft) -> None:
+        """The sampling policy's and the reference's log-probs, importance weights against the sampler's
+        own log-probs, advantages from every process's scores, and the loss normaliser."""
+        p, device, batch = self.args.params, self.accelerator.device, draft.batch
+        logprobs = draft.generations.logprobs  # the sampler's own log-probs (off-policy masking reads them too)
         with self.compute_loss_context_manager():
-            old = self.policy_logps(batch) if (self.needs_old_logps() or generations.logprobs is not None) else None
+            old = self.policy_logps(batch) if (self.needs_old_logps() or logprobs is not None) else None
             ref = None
             if self.reference.available:
                 ref = self.reference(self.model_wrapped, lambda m: self.logps_of(m, batch))
+        completion_mask = batch["completion_mask"]
         weights = sampler = None
-        if generations.logprobs is not None:  # the sampler's own log-probs (off-policy masking reads them too)
-            sampler = _pad_floats(generations.logprobs, batch["completion_mask"].shape[1], device)
+        if logprobs is not None:
+            sampler = pad_floats(logprobs, completion_mask.shape[1], device)
         if sampler is not None and p.vllm_importance_sampling_correction:
             low, high = p.importance_sampling_bounds()
             weights = importance_weights(old, sampler, completion_mask, p.vllm_importance_sampling_mode, high, low)
             self.record(importance_sampling_metrics(old, sampler, completion_mask, p.vllm_importance_sampling_mode,
                                                     high, low))
-
-        completions = [[{"role": "assistant", "content": t}] if is_conversational(pr) else t
-                       for t, pr in zip(generations.texts, prompts)]
-        if getattr(generations, "messages", None) is not None:  # an episode's assistant and tool messages
-            completions = generations.messages
-        logs = RewardLogs()  # what the reward functions log (log_extra, log_metric)
-        rewards = compute_rewards(self.reward_funcs, prompts=prompts, completions=completions,
-                                  completion_ids=generations.completion_ids, columns=columns,
-                                  trainer_state=self.state, on_error=p.reward_error_policy,
-                                  timeout=p.reward_timeout, logs=logs).to(device)
-        self._record_logged_metrics(logs.metrics)
-        everyone = self.accelerator.gather(rewards)
-        if self.model.training:
-            self.unscored.check(everyone)
-        advantages = self.advantages(everyone, batch=batch, old_logps=old, ref_logps=ref)
+        draft.old_logps, draft.ref_logps, draft.importance_weights, draft.sampling_logps = old, ref, weights, sampler
+        draft.all_advantages = self.advantages(draft.everyone, batch=batch, old_logps=old, ref_logps=ref)
+        n = len(draft.prompt_ids)
         start = self.accelerator.process_index * n
-        local = advantages[start:start + n].to(device)
-
-        tokens = self.accelerator.gather(loss_mask.sum().reshape(1)).sum().float()
+        draft.advantages = draft.all_advantages[start:start + n].to(device)
+        tokens = self.accelerator.gather(draft.loss_mask.sum().reshape(1)).sum().float()
         per_step = tokens / self.accelerator.num_processes  # dapo's normaliser, per process ...
         if self.model.training:  # ... scaled to the share of the generation batch one optimizer step sees
             per_step = per_step * self.args.gradient_accumulation_steps / self.sizes.steps_per_generation
-        self._record_rollout(everyone, completion_mask, finished, advantages)
-        scores = everyone[start:start + n]
-        table = {**{f.name: scores[:, k] for k, f in enumerate(self.reward_funcs)}, **logs.extra, "advantage": local}
-        if columns.get("images") is not None:  # the prompt's image(s), by size
-            table = {"image": [vision.describe(vision.load_images(row)) for row in columns["images"]], **table}
-        self.keep_completions(prompts, generations.texts, **table)
+        draft.num_items = per_step
+
+    def record_rollout(self, draft: Draft) -> dict:
+        batch, n = draft.batch, len(draft.prompt_ids)
+        self._record_rollout(draft.everyone, batch["completion_mask"], draft.finished, draft.all_advantages)
+        start = self.accelerator.process_index * n
+        scores = draft.everyone[start:start + n]
+        table = {**{f.name: scores[:, k] for k, f in enumerate(self.reward_funcs)}, **draft.reward_logs.extra,
+                 "advantage": draft.advantages}
+        if draft.columns.get("images") is not None:  # the prompt's image(s), by size
+            table = {"image": [vision.describe(vision.load_images(row)) for row in draft.columns["images"]], **table}
+        self.keep_completions(draft.prompts, draft.generations.texts, **table)
         out = {
-            "input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "completion_mask": loss_mask,
-            "advantages": local, "prompt_length": batch["prompt_length"],
-            "num_items_in_batch": per_step,
+            "input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "completion_mask": draft.loss_mask,
+            "advantages": draft.advantages, "prompt_length": batch["prompt_length"], "num_items_in_batch": draft.num_items,
         }
-        for key, value in (("old_logps", old), ("ref_logps", ref), ("importance_weights", weights), (vision.KEY, images),
-                           ("sampling_logps", sampler), ("tool_mask", batch.get("tool_mask"))):
+        for key, value in (("old_logps", draft.old_logps), ("ref_logps", draft.ref_logps),
+                           ("importance_weights", draft.importance_weights), (vision.KEY, batch.get(vision.KEY)),
+                           ("sampling_logps", draft.sampling_logps), ("tool_mask", batch.get("tool_mask"))):
             if value is not None:
                 out[key] = value
         return out
 
-    def generate(self, prompt_ids: list[list[int]], g: int, images: vision.RowInputs | None = None) -> Generations:
-        """Sample one completion per row. Rows come as whole groups when the process's share of the
-        generation batch holds whole groups; then each prompt is sent once with n = g."""
-        backend = self.backend
-        if not backend.shares_weights and self._synced_step != self.state.global_step:
-            backend.load_weights(self.accelerator.unwrap_model(self.model))
-            self._synced_step = self.state.global_step
-        sampling = self.args.params.sampling()
-        grouped = len(prompt_ids) % g == 0 and all(
-            prompt_ids[i] == prompt_ids[i - i % g] for i in range(len(prompt_ids)))
-        with_images = {} if images is None else {"images": images.select(slice(None, None, g) if grouped else slice(None))}
-        if grouped:
-            out = backend.generate(prompt_ids[::g], attrs.evolve(sampling, num_generations=g), **with_images)
-        else:
-            out = backend.generate(prompt_ids, sampling, **with_images)
-        backend.sleep()  # the policy trains now: an engine may release its memory (it wakes to generate)
         return out
 
     def wants_padding_free(self, args) -> bool | None:
@@ -705,12 +733,6 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
             "clip_ratio/region_mean": masked_mean((low_clipped | high_clipped).float(), batch.mask),
         }
 
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach(), None, None
-
     # -- metrics and completions --------------------------------------------------------------
     def _record_logged_metrics(self, metrics: dict[str, list[float]]) -> None:
         """The scalars reward functions logged with ``log_metric``: each the mean of the values every
@@ -724,49 +746,20 @@ class OnlineTrainer(PromptData, CompletionsTable, PlaitTrainer):
             total, count = self.accelerator.gather(local).view(-1, 2).sum(0).tolist()
             self.record({name: total / count})
 
+
     def _record_rollout(self, rewards: Tensor, completion_mask: Tensor, finished: Tensor, advantages: Tensor) -> None:
         metrics = reward_metrics(rewards.cpu(), [f.name for f in self.reward_funcs], self.group_size, self.reward_weights)
-        lengths = self.accelerator.gather(completion_mask.sum(-1).float())
-        done = self.accelerator.gather(finished.float())
-        metrics.update({
-            "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(), "completions/clipped_ratio": 1 - done.mean().item(),
-            "advantages/std": advantages.float().std().item() if advantages.numel() > 1 else 0.0,
-        })
+        metrics["advantages/std"] = advantages.float().std().item() if advantages.numel() > 1 else 0.0
+        lengths = self.record_lengths(completion_mask, finished)
         if self.model.training:
             self._tokens_seen = getattr(self, "_tokens_seen", 0) + int(lengths.sum().item())
             metrics["num_tokens"] = self._tokens_seen
         self.record(metrics)
 
-    def _pad_id(self) -> int:
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
-
-
-def pack(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int, device,
-         multiple: int | None = None) -> dict:
-    """Left-padded prompts then right-padded completions: ``input_ids`` [N, P + C] and masks.
-
-    ``completion_mask`` [N, C] marks the sampled tokens; ``prompt_length`` is P, where completions
-    start. With ``multiple`` (``pad_to_multiple_of``) P and C are rounded up to multiples of it.
-    """
-    n = len(prompt_ids)
-    width = padded_width(max(len(ids) for ids in prompt_ids), multiple)
-    length = padded_width(max(1, max(len(ids) for ids in completion_ids)), multiple)
-    input_ids = torch.full((n, width + length), pad_id, dtype=torch.long)
-    attention = torch.zeros((n, width + length), dtype=torch.long)
-    for i, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
-        input_ids[i, width - len(prompt):width] = torch.tensor(prompt)
-        attention[i, width - len(prompt):width + len(completion)] = 1
-        if completion:
-            input_ids[i, width:width + len(completion)] = torch.tensor(completion)
-    return {"input_ids": input_ids.to(device), "attention_mask": attention.to(device),
-            "completion_mask": attention[:, width:].to(device), "prompt_length": width}
 
 
 def packed_token_logprobs(token_logprobs, model, input_ids: Tensor, attention_mask: Tensor,
@@ -807,44 +800,6 @@ def packed_token_logprobs(token_logprobs, model, input_ids: Tensor, attention_ma
                                 if value is not None})
 
 
-def _pad_floats(rows: list[list[float]], width: int, device) -> Tensor:
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
-    return out.to(device)
-
-
-def split_rows(buffer: dict, parts: int, generator: torch.Generator, multiple: int | None = None) -> list[dict]:
-    """Shuffle a rollout's rows and cut them into ``parts`` micro-batches, trimming the completion
-    columns that are padding in every row of a micro-batch (to a multiple of ``multiple`` when set).
-
-    Tensors of width P + C (``input_ids``, ``attention_mask``) and of width C (completion-aligned:
-    masks, log-probs, weights) are trimmed alike; tensors that are not per-row (0-dim normalisers) are shared.
-    """
-    n = buffer["input_ids"].shape[0]
-    if n % parts:
-        raise PlaitError(f"a rollout of {n} rows does not split into {parts} micro-batches")
-    full, prompt = buffer["input_ids"].shape[1], buffer["prompt_length"]
-    order = torch.randperm(n, generator=generator).to(buffer["input_ids"].device)
-    chunks = []
-    for rows in order.chunk(parts):
-        used = int(buffer["attention_mask"][rows].sum(0).nonzero().max()) + 1 - prompt
-        keep = prompt + min(padded_width(max(used, 1), multiple), full - prompt)
-        chunk = {}
-        for key, value in buffer.items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == n:
-                value = value[rows]
-                if value.dim() > 1 and value.shape[1] == full:
-                    value = value[:, :keep]
-                elif value.dim() > 1 and value.shape[1] == full - prompt:
-                    value = value[:, :keep - prompt]
-            elif isinstance(value, vision.RowInputs):
-                value = value.select(rows)
-            chunk[key] = value
-        chunks.append(chunk)
-    return chunks
-
-
 def _table_value(value: Any) -> Any:
     """A number of the completions table as a float; anything else (a column a reward logged) as it is."""
     if torch.is_tensor(value) or (isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)):
@@ -873,4 +828,3 @@ def format_table(rows: list[dict]) -> str:
     line = " | ".join(c.ljust(w) for c, w in zip(columns, widths))
     rule = "-+-".join("-" * w for w in widths)
     return "\n".join([line, rule, *(" | ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells)])
-
