@@ -69,7 +69,7 @@ def test_default_is_on_for_every_method(tmp_path):
 
 def test_either_name_turns_it_off_on_every_transformers_version_and_warns_nothing(tmp_path):
     """transformers 5.19 knows only ``gradient_checkpointing``, 5.20+ calls it ``activation_checkpointing``
-    (the old name deprecated): plait's configs take both names on both (plait.engine.versions), silently."""
+    (the old name deprecated): plait's configs take both names on both (plait.data.versions), silently."""
     import warnings
 
     with warnings.catch_warnings():
@@ -93,12 +93,13 @@ def attention_kernel_calls_and_grads(context_fn) -> tuple[int, dict[str, torch.T
     (None: no checkpointing): how often a fused attention kernel ran, and the gradients."""
     from transformers import AutoModelForCausalLM
 
+    from plait.data.versions import enable_checkpointing
     from plait.engine.checkpointing import ATTENTION_KERNELS
     from plait.engine.logprobs import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path()), attn_implementation="sdpa").train()
     if context_fn is not None:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": context_fn})
+        enable_checkpointing(model, {"use_reentrant": False, "context_fn": context_fn})
     ids = torch.randint(5, 900, (3, 24), generator=torch.Generator().manual_seed(0))
     calls = []
 

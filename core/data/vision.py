@@ -22,6 +22,7 @@ import torch
 from plait.errors import PlaitError
 
 from .pretrained import pretrained_kwargs
+from .versions import returns_mm_token_type_ids
 
 KEY = "model_inputs"  # the batch key of a RowInputs
 
@@ -95,12 +96,19 @@ def image_token_ids(processing_class: Any) -> set[int]:
 
 def encode(processing_class: Any, text: str, images: Sequence, *, special_tokens: bool) -> list[int]:
     """Token ids of ``text`` with every image placeholder expanded by the processor for ``images``."""
+    placeholder = getattr(processing_class, "image_token", None)
+
+    def unpaired(reason: str) -> PlaitError:
+        return PlaitError(f"the processor cannot pair the text with its {len(images)} image(s) ({reason}); each image "
+                          f"needs one {{'type': 'image'}} part (or {placeholder or 'the image token'!r} in a string)")
+
+    # said here, not left to the processor: transformers 5.19's Qwen2-VL processor expands no image and raises nothing
+    if isinstance(placeholder, str) and text.count(placeholder) != len(images):
+        raise unpaired(f"{text.count(placeholder)} {placeholder!r} in the text")
     try:
         out = processing_class(text=[text], images=[list(images)], add_special_tokens=special_tokens)
     except (ValueError, TypeError) as err:
-        placeholder = getattr(processing_class, "image_token", "the image token")
-        raise PlaitError(f"the processor cannot pair the text with its {len(images)} image(s) ({str(err).splitlines()[0]}); "
-                         f"each image needs one {{'type': 'image'}} part (or {placeholder!r} in a string)") from None
+        raise unpaired(str(err).splitlines()[0]) from None
     return [int(t) for t in out["input_ids"][0]]
 
 
@@ -248,7 +256,7 @@ def image_inputs(processing_class: Any, images: Sequence) -> dict:
 
 def marked_tokens(processing_class: Any) -> tuple[int, ...]:
     """The image token ids to mark as ``mm_token_type_ids`` when the processor returns that tensor, else ()."""
-    return tuple(sorted(image_token_ids(processing_class))) if getattr(processing_class, "return_mm_token_type_ids", False) else ()
+    return tuple(sorted(image_token_ids(processing_class))) if returns_mm_token_type_ids(processing_class) else ()
 
 
 def describe(images: Sequence) -> str:

@@ -25,10 +25,11 @@ import torch
 import yaml
 from transformers import TrainingArguments
 
+from plait.data import versions
 from plait.errors import PlaitError
 from plait.params import non_negative, positive
 
-from . import run_folder, versions
+from . import run_folder
 from .checkpointing import checkpointing_kwargs
 from .redact import masked
 from .run_folder import config_fields, serialisable

@@ -6,6 +6,11 @@ and nowhere else.
   the old ones. plait's configs carry both names on every version (:data:`CONFIG_FIELDS` adds the new
   ones where TrainingArguments lacks them) and :func:`settle_checkpointing` gives both one value, so
   plait's code, a recipe and transformers' own Trainer read the same setting whichever names they use.
+* A VLM processor that returns ``mm_token_type_ids`` (Qwen2-VL's multimodal RoPE) says so by a class
+  attribute from 5.20 on, and in 5.19 by its processor kwargs' text defaults:
+  :func:`returns_mm_token_type_ids` reads either. Likewise the model's checkpointing switch is
+  ``activation_checkpointing_enable`` from 5.20 on, ``gradient_checkpointing_enable`` before:
+  :func:`enable_checkpointing` calls the one the model has.
 """
 
 from __future__ import annotations
@@ -45,3 +50,20 @@ def settle_checkpointing(args: Any, default: bool) -> None:
 def set_checkpointing_kwargs(args: Any, kwargs: dict | None) -> None:
     """Both names of the checkpointing kwargs at once (transformers < 5.20 reads only the old one)."""
     args.activation_checkpointing_kwargs = args.gradient_checkpointing_kwargs = kwargs
+
+
+def returns_mm_token_type_ids(processing_class: Any) -> bool:
+    """Whether a processor's text output carries ``mm_token_type_ids`` (5.20+: a class attribute;
+    5.19: a default of its processor kwargs' ``text_kwargs``)."""
+    if getattr(processing_class, "return_mm_token_type_ids", None) is not None:
+        return bool(processing_class.return_mm_token_type_ids)
+    defaults = getattr(getattr(processing_class, "valid_processor_kwargs", None), "_defaults", {}) or {}
+    return bool(defaults.get("text_kwargs", {}).get("return_mm_token_type_ids", False))
+
+
+def enable_checkpointing(model: Any, checkpointing_kwargs: dict | None = None) -> None:
+    """Turn a model's activation checkpointing on under the names its transformers version has."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing_kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
