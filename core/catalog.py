@@ -100,7 +100,7 @@ class Catalog:
         self.infos: dict[str, PluginInfo] = {}
         self._hooks: dict[str, list[str]] = {}
         self.disabled = disabled
-        self.registries = {kind: Registry(singular) for kind, singular in KINDS.items()}
+        self.registries = {name: Registry(kind.singular) for name, kind in KINDS.items()}
         for record in records:
             info = PluginInfo(**record["info"])
             self.infos[info.name] = info

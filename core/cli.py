@@ -39,12 +39,8 @@ class Command:
         return self.help
 
 
-# `plait list <kind>`: short names for the registries
-LIST_KINDS = {
-    "methods": "methods", "losses": "losses", "rewards": "rewards", "advantages": "advantage_estimators",
-    "backends": "generation_backends", "formats": "data_formats", "collators": "collators",
-    "packing": "packing_strategies", "judges": "judges", "environments": "environments", "commands": "commands",
-}
+# `plait list <kind>`: each kind's short name (declared on its registration hook) -> its registry
+LIST_KINDS = {kind.listed_as: name for name, kind in KINDS.items()}
 
 
 def _table(rows: list[Sequence[str]], header: Sequence[str]) -> str:

@@ -7,8 +7,11 @@ match the specs below; it is found through the ``plait`` entry-point group. Buil
 Three families of hooks:
 
 * **Registration** hooks receive a ``register`` callback. Call it once per component:
-  ``register(name, obj, params=AttrsClass, doc="one line")``. The core owns storage, records
-  which distribution registered each name and rejects duplicates.
+  ``register(name, obj, params=AttrsClass, doc="one line", **options)``. The core owns storage,
+  records which distribution registered each name and rejects duplicates. Each hook is marked with
+  its :class:`Kind` (``@registration``): what one entry is called and the attrs class of the
+  ``options`` it accepts, validated when it registers. That mark is the one place a kind is
+  declared; the manager, the catalog and ``plait list`` read :func:`kinds`.
 * **Dispatch** hooks (``firstresult``) answer "who handles this input?": the first non-None
   answer wins, so a third-party plugin can teach plait a new data shape or reward source.
 * **Lifecycle** hooks are broadcast to every plugin at fixed points of a run.
@@ -20,7 +23,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+import attrs
 import pluggy
+from attrs.validators import deep_iterable, in_, instance_of, is_callable, optional
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import TrainerCallback
@@ -33,11 +38,145 @@ Register = Callable[..., None]
 
 
 # ---------------------------------------------------------------------------------------------
+# Kinds: each registration hook, what its entries are called and the options they may declare
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class Options:
+    """The options one component was registered with, typed per kind (no options: this class).
+
+    Read them as attributes (``component.options.consumes``). ``get``, ``[]`` and ``in`` keep the
+    older dict reading working: ``get(name, default)`` gives ``default`` for an option left unset
+    (None) or unknown to the kind, and ``name in options`` says whether it is set.
+    """
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = getattr(self, name, None)
+        return default if value is None else value
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in attrs.fields_dict(type(self)):
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __contains__(self, name: str) -> bool:
+        return getattr(self, name, None) is not None
+
+    def declared(self) -> dict[str, Any]:
+        """The options that differ from their defaults: what the plugin declared."""
+        return {f.name: getattr(self, f.name) for f in attrs.fields(type(self)) if getattr(self, f.name) != f.default}
+
+    def __eq__(self, other: object) -> bool:  # a dict of the declared options compares equal, as before
+        if isinstance(other, Mapping):
+            return self.declared() == dict(other)
+        return type(other) is type(self) and attrs.astuple(self, recurse=False) == attrs.astuple(other, recurse=False)
+
+    def __hash__(self) -> int:  # values may be unhashable (a list of columns): equal options share the class
+        return hash(type(self))
+
+
+def flag(default: bool = False) -> Any:
+    """A yes/no option: a bool, nothing else (``"no"`` would be true)."""
+    return attrs.field(default=default, validator=instance_of(bool))
+
+
+@attrs.frozen(eq=False)  # Options' equality: a dict of the declared options compares equal
+class LossOptions(Options):
+    """What a loss declares: the batch it reads, its output's shape, and properties methods and the kit rely on."""
+
+    consumes: type | None = attrs.field(default=None, validator=optional(instance_of(type)))
+    output: str | None = attrs.field(default=None, validator=optional(in_(("example", "token", "scalar"))))
+    reduces: bool = flag()  # the older spelling of output="scalar"
+    monotone: str | None = attrs.field(default=None, validator=optional(in_(("non_increasing_in_margin",))))
+    batch_coupled: bool = flag()
+    f_divergence: bool = flag()
+    sorts_batch: bool = flag()
+    metrics: Callable | None = attrs.field(default=None, validator=optional(is_callable()))
+    cpo_alpha: float | None = attrs.field(default=None, validator=optional(instance_of((int, float))))
+
+    @property
+    def reduction(self) -> str:
+        """``example`` ([B]), ``token`` ([B, T]) or ``scalar`` (already reduced)."""
+        return self.output or ("scalar" if self.reduces else "example")
+
+
+@attrs.frozen(eq=False)  # Options' equality: a dict of the declared options compares equal
+class RewardOptions(Options):
+    """What a reward reads: text or conversational completions, and the dataset columns it needs."""
+
+    completion_format: str = attrs.field(default="text", validator=in_(("text", "messages", "any")))
+    columns: tuple = attrs.field(default=(), validator=deep_iterable(instance_of(str), instance_of((tuple, list))))
+
+
+@attrs.frozen(eq=False)  # Options' equality: a dict of the declared options compares equal
+class AdvantageOptions(Options):
+    """Properties of an estimator's output the kit checks and methods read."""
+
+    zero_mean_per_group: bool = flag()
+    token_level: bool = flag()  # advantages [N, T] (from values and per-token rewards), not [N]
+    group_relative: bool | None = attrs.field(default=None, validator=optional(instance_of(bool)))
+
+    @property
+    def is_group_relative(self) -> bool:
+        """Whether an all-equal group gets zeros (by default: unless it is token-level)."""
+        return not self.token_level if self.group_relative is None else self.group_relative
+
+
+@attrs.frozen(eq=False)  # Options' equality: a dict of the declared options compares equal
+class BackendOptions(Options):
+    """``check(config)``: refuses a run's config before any weights load; ``images``: takes image inputs."""
+
+    check: Callable | None = attrs.field(default=None, validator=optional(is_callable()))
+    images: bool = flag()
+
+
+@attrs.frozen(eq=False)  # Options' equality: a dict of the declared options compares equal
+class PackingOptions(Options):
+    """``padding_free``: each packed row holds whole documents, so their lengths can be passed on."""
+
+    padding_free: bool = flag()
+
+
+@attrs.frozen(eq=False)  # Options' equality: a dict of the declared options compares equal
+class EnvironmentOptions(Options):
+    """``owns_reward=False``: the environment never scores an episode (rewards do)."""
+
+    owns_reward: bool = flag(True)
+
+
+@attrs.frozen
+class Kind:
+    """One kind of component, declared by marking its registration hook with :func:`registration`."""
+
+    name: str  # the hook's suffix and the registry's name: "losses"
+    singular: str  # one entry, in messages: "loss"
+    options: type  # the Options class of what ``register(..., **options)`` accepts
+    listed_as: str  # `plait list <listed_as>`
+
+
+def registration(singular: str, options: type = Options, listed_as: str | None = None) -> Callable:
+    """Mark a ``register_<kinds>`` hookspec with its :class:`Kind`."""
+
+    def mark(spec: Callable) -> Callable:
+        name = spec.__name__.removeprefix("register_")
+        spec.kind = Kind(name, singular, options, listed_as or name)
+        return hookspec(spec)
+
+    return mark
+
+
+def kinds() -> dict[str, Kind]:
+    """Every kind, from the marked registration hooks of this module, in the order they are declared."""
+    return {spec.kind.name: spec.kind for spec in globals().values() if isinstance(getattr(spec, "kind", None), Kind)}
+
+
+# ---------------------------------------------------------------------------------------------
 # Registration: methods and their building blocks
 # ---------------------------------------------------------------------------------------------
 
 
-@hookspec
+@registration("method")
 def register_methods(register: Register) -> None:
     """Register training methods (``method.sft``, ``method.dpo``, ``method.grpo``, ...).
 
@@ -47,19 +186,19 @@ def register_methods(register: Register) -> None:
     """
 
 
-@hookspec
+@registration("loss", LossOptions)
 def register_losses(register: Register) -> None:
     """Register loss functions by dotted name (``dpo.sigmoid``, ``grpo.dapo``, ``ppo.value``).
 
     ``obj`` is a pure function ``(batch, params) -> Tensor`` returning one loss per example,
-    shape ``[B]`` (or a scalar for losses that normalise over tokens, declared with
-    ``reduces=True``). ``batch`` is the typed log-prob batch named by ``consumes=`` (see
+    shape ``[B]`` (``[B, T]`` with ``output="token"``, or a scalar for losses that normalise over
+    tokens, ``output="scalar"``). ``batch`` is the typed log-prob batch named by ``consumes=`` (see
     :mod:`plait.engine.batches`); a loss never sees logits or a model. ``params`` is an instance of the
     attrs class given as ``params=``, validated at construction.
     """
 
 
-@hookspec
+@registration("reward", RewardOptions)
 def register_rewards(register: Register) -> None:
     """Register reward functions by name (``reward.think_format``, ``reward.accuracy``).
 
@@ -70,7 +209,7 @@ def register_rewards(register: Register) -> None:
     """
 
 
-@hookspec
+@registration("advantage estimator", AdvantageOptions, listed_as="advantages")
 def register_advantage_estimators(register: Register) -> None:
     """Register advantage estimators by name (``advantage.group``, ``advantage.rloo``, ``advantage.gae``).
 
@@ -80,7 +219,7 @@ def register_advantage_estimators(register: Register) -> None:
     """
 
 
-@hookspec
+@registration("generation backend", BackendOptions, listed_as="backends")
 def register_generation_backends(register: Register) -> None:
     """Register generation backends by name (``generation.transformers``, ``generation.vllm_colocate``).
 
@@ -90,7 +229,7 @@ def register_generation_backends(register: Register) -> None:
     """
 
 
-@hookspec
+@registration("data format", listed_as="formats")
 def register_data_formats(register: Register) -> None:
     """Register dataset formats by name (``format.preference``, ``format.sharegpt``).
 
@@ -99,7 +238,7 @@ def register_data_formats(register: Register) -> None:
     """
 
 
-@hookspec
+@registration("collator")
 def register_collators(register: Register) -> None:
     """Register batch collators by name (``collator.preference``, ``collator.padding_free``).
 
@@ -108,7 +247,7 @@ def register_collators(register: Register) -> None:
     """
 
 
-@hookspec
+@registration("packing strategy", PackingOptions, listed_as="packing")
 def register_packing_strategies(register: Register) -> None:
     """Register sequence-packing strategies (``packing.bfd``, ``packing.wrapped``).
 
@@ -117,7 +256,7 @@ def register_packing_strategies(register: Register) -> None:
     """
 
 
-@hookspec
+@registration("judge")
 def register_judges(register: Register) -> None:
     """Register judges for online preference methods (``judge.reward_model``, ``judge.pairwise``).
 
@@ -129,7 +268,7 @@ def register_judges(register: Register) -> None:
     """
 
 
-@hookspec
+@registration("environment", EnvironmentOptions)
 def register_environments(register: Register) -> None:
     """Register environments for multi-turn online RL (``env.arithmetic``), and tool-call formats
     (``env.parser.hermes``).
@@ -142,7 +281,7 @@ def register_environments(register: Register) -> None:
     """
 
 
-@hookspec
+@registration("command")
 def register_commands(register: Register) -> None:
     """Register ``plait`` CLI subcommands (``command.vllm-serve`` becomes ``plait vllm-serve``).
 

@@ -36,13 +36,7 @@ from .registry import Registry, register_callback
 logger = logging.getLogger("plait")
 
 ENTRY_POINT_GROUP = hookspecs.PROJECT
-# registration hook suffix -> what one entry is called in messages
-KINDS = {
-    "methods": "method", "losses": "loss", "rewards": "reward",
-    "advantage_estimators": "advantage estimator", "generation_backends": "generation backend",
-    "data_formats": "data format", "collators": "collator", "packing_strategies": "packing strategy", "judges": "judge", "commands": "command",
-    "environments": "environment",
-}
+KINDS = hookspecs.kinds()  # registration hook suffix ("losses") -> its Kind, from the hookspecs
 
 
 @attrs.frozen
@@ -100,15 +94,16 @@ class Plugins:
     def _collect(self) -> dict[str, Registry]:
         note = (f"plugin autoload is off ({self.autoload_off_by}), so no installed plugin was loaded"
                 if self.autoload_off_by else "")
-        registries = {kind: Registry(singular, functools.partial(self.why_disabled, kind), note)
-                      for kind, singular in KINDS.items()}
+        registries = {name: Registry(kind.singular, functools.partial(self.why_disabled, name), note)
+                      for name, kind in KINDS.items()}
         for kind in KINDS:
             hook = getattr(self.pm.hook, f"register_{kind}")
             for impl in hook.get_hookimpls():  # registration order (pluggy calls them in reverse)
                 info = self.info(impl.plugin_name)
                 if self.trace:
                     print(f"[plait trace] register_{kind} -> {impl.plugin_name}", file=sys.stderr)
-                register = register_callback(registries[kind], impl.plugin_name, info.distribution, info.version)
+                register = register_callback(registries[kind], impl.plugin_name, info.distribution, info.version,
+                                             info.module)
                 impl.function(*[{"register": register}[arg] for arg in impl.argnames])
         return registries
 
@@ -119,7 +114,7 @@ class Plugins:
             if found:
                 ep = disabled.entry_point
                 dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else "unknown distribution"
-                return (f"{KINDS[kind]} {found[0]!r} comes from plugin {ep_name!r} ({dist}), which is disabled by "
+                return (f"{KINDS[kind].singular} {found[0]!r} comes from plugin {ep_name!r} ({dist}), which is disabled by "
                         f"{disabled.by}; {disabled.fix}")
         return None
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import attrs
 
 from .errors import PlaitError
+from .hookspecs import Options, kinds
 
 NAME_PATTERN = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_\-]+)+$")
 
@@ -47,7 +48,8 @@ class Component:
     plugin: str = "?"
     distribution: str = "?"
     version: str = "?"
-    options: dict = attrs.field(factory=dict)
+    # the kind's typed options (plait.hookspecs); a Component made by hand gets its kind's defaults
+    options: Options = attrs.field(default=attrs.Factory(lambda self: _options_of(self.kind)(), takes_self=True))
 
     @property
     def summary(self) -> str:
@@ -81,6 +83,11 @@ class Component:
             raise PlaitError(f"{self.kind} {self.name!r}: {err}") from err
 
 
+def _options_of(kind: str) -> type[Options]:
+    """The Options class of the kind whose entries are called ``kind`` ("loss"); Options for any other."""
+    return next((k.options for k in kinds().values() if k.singular == kind), Options)
+
+
 def _close(name: str, candidates) -> str:
     match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
     return f" (did you mean {match[0]!r}?)" if match else ""
@@ -91,6 +98,7 @@ class Registry:
 
     def __init__(self, kind: str, why_missing: Callable[[list[str]], str | None] | None = None, note: str = ""):
         self.kind = kind
+        self.options = _options_of(kind)  # what register(..., **options) accepts for this kind
         self._entries: dict[str, Component] = {}
         self._why_missing = why_missing  # names -> "comes from plugin X, disabled by Y; fix" (or None)
         self._note = note  # appended to every "unknown" error (e.g. that plugin autoload is off)
@@ -160,17 +168,37 @@ class Registry:
         return sorted(self._entries)
 
 
-def register_callback(registry: Registry, plugin: str, distribution: str, version: str) -> Callable[..., None]:
-    """The ``register`` function handed to one plugin's registration hook."""
+def register_callback(registry: Registry, plugin: str, distribution: str, version: str,
+                      module: str = "") -> Callable[..., None]:
+    """The ``register`` function handed to one plugin's registration hook (``module``: where the plugin
+    lives, named in errors when it differs from the plugin's name)."""
+    installed = distribution.strip("()") if version in ("-", "?") else f"{distribution} {version}"  # "(not installed)"
+    where = ", ".join(part for part in (module if module != plugin else "", installed) if part)
 
     def register(name: str, obj: Any, *, params: type | None = None, doc: str = "", **options: Any) -> None:
+        who = f"{registry.kind} {name!r} from plugin {plugin!r} ({where})"
         if params is not None and not attrs.has(params):
-            raise PlaitError(f"{registry.kind} {name!r} from {plugin}: params must be an attrs class, got {params!r}")
+            raise PlaitError(f"{who}: params must be an attrs class, got {params!r}")
         registry.add(
             Component(
                 kind=registry.kind, name=name, obj=obj, params=params, doc=doc,
-                plugin=plugin, distribution=distribution, version=version, options=options,
+                plugin=plugin, distribution=distribution, version=version,
+                options=typed_options(registry.options, options, registry.kind, who),
             )
         )
 
     return register
+
+
+def typed_options(spec: type[Options], options: dict[str, Any], kind: str, who: str) -> Options:
+    """``options`` as the kind's ``spec``; a misspelt or mistyped option is one line naming ``who``."""
+    accepted = [field.name for field in attrs.fields(spec)]
+    accepts = f"a {kind} accepts {', '.join(accepted) if accepted else 'no options'} (besides params= and doc=)"
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise PlaitError(f"{who}: unknown option {unknown[0]!r}{_close(unknown[0], accepted)}; {accepts}")
+    try:
+        return spec(**options)
+    except (TypeError, ValueError) as err:
+        # attrs' validators raise (message, attribute, expected, value): the message is the line
+        raise PlaitError(f"{who}: option {err.args[0]}; {accepts}") from err

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait import make_plugins
+from plait import hookimpl, make_plugins
 from plait.engine.batches import PolicyTokens, PreferenceLogps, TokenLogps
 from plait.engine.objective import Objective, normalise_loss_specs
 from plait.errors import PlaitError
@@ -63,7 +63,6 @@ def register_losses(register):
     register("dpo.number", number, consumes=PreferenceLogps)
     register("dpo.detached", detached, consumes=PreferenceLogps)
     register("dpo.nan", nan, consumes=PreferenceLogps)
-    register("dpo.typo", per_example, consumes=PreferenceLogps, output="examples")
     register("sft.row_sums", row_sums, consumes=TokenLogps, output="token")
     register("sft.token_nll", token_nll, consumes=TokenLogps, output="token")
     register("grpo.policy_rows", policy_rows, consumes=PolicyTokens, output="scalar")
@@ -157,10 +156,18 @@ def test_a_loss_without_gradient_is_fine_where_nothing_trains(plugins):
     assert total.shape == ()
 
 
-def test_an_unknown_output_is_refused_when_the_objective_is_built(plugins):
-    with pytest.raises(PlaitError, match=r"loss\[0\]: loss 'dpo.typo' \(plugin broken_losses, distribution "
-                                         r"broken-losses 0.1\) is registered with output='examples'"):
-        objective(plugins, "dpo.typo")
+def test_an_unknown_output_is_refused_when_the_loss_registers():
+    # the loss kind's typed options (plait.hookspecs.LossOptions) refuse it before any objective is built
+    class Typo:
+        @hookimpl
+        def register_losses(self, register):
+            register("dpo.typo", lambda batch, p: -batch.chosen_logps, consumes=PreferenceLogps, output="examples")
+
+    plugins = make_plugins(autoload=False)
+    plugins.register(Typo(), name="typo")
+    with pytest.raises(PlaitError, match=r"loss 'dpo.typo' from plugin 'typo' \(not installed\): option 'output' "
+                                         r"must be in \('example', 'token', 'scalar'\) \(got 'examples'\)"):
+        plugins.losses
 
 
 def test_the_objective_names_the_part_that_went_nonfinite(plugins):

@@ -1,6 +1,7 @@
 """Registries: dotted names, duplicates, did-you-mean errors, provenance, component parameters."""
 
 import math
+import re
 
 import attrs
 import pytest
@@ -9,6 +10,7 @@ from hypothesis import strategies as st
 
 import plait
 from plait.errors import PlaitError
+from plait.hookspecs import AdvantageOptions, Options, kinds
 from plait.params import in_range, positive
 from plait.registry import (
     NAME_PATTERN,
@@ -223,7 +225,7 @@ def test_component_without_params_rejects_any():
 
 def test_params_must_be_an_attrs_class():
     register = register_callback(Registry("loss"), "plug", "dist", "1.0")
-    with pytest.raises(PlaitError, match="loss 'x.y' from plug: params must be an attrs class"):
+    with pytest.raises(PlaitError, match="loss 'x.y' from plugin 'plug' \(dist 1.0\): params must be an attrs class"):
         register("x.y", loss, params=dict)
 
 
@@ -231,6 +233,48 @@ def test_register_keeps_doc_and_options():
     registry = Registry("loss")
     register_callback(registry, "plug", "dist", "1.0")("test.loss", loss, params=Params, output="token", batch_coupled=True)
     register_callback(registry, "plug", "dist", "1.0")("test.doc", loss, doc="Given explicitly.\nSecond line.")
-    assert registry.get("test.loss").options == {"output": "token", "batch_coupled": True}
+    options = registry.get("test.loss").options
+    assert (options.output, options.batch_coupled, options.f_divergence) == ("token", True, False)
+    assert options.get("output") == "token" and options["batch_coupled"] and "metrics" not in options  # the dict reading
     assert registry.get("test.loss").summary == "A test loss."
     assert registry.get("test.doc").summary == "Given explicitly."
+
+
+# -- typed options --------------------------------------------------------------------------------
+
+
+def test_a_misspelt_option_names_the_plugin_the_kind_and_the_accepted_ones():
+    register = register_callback(Registry("loss"), "plug", "dist", "1.0", module="plug_pkg.losses")
+    with pytest.raises(PlaitError) as err:
+        register("test.loss", loss, consume=object)
+    assert str(err.value) == (
+        "loss 'test.loss' from plugin 'plug' (plug_pkg.losses, dist 1.0): unknown option 'consume' (did you mean "
+        "'consumes'?); a loss accepts consumes, output, reduces, monotone, batch_coupled, f_divergence, sorts_batch, "
+        "metrics, cpo_alpha (besides params= and doc=)")
+
+
+@pytest.mark.parametrize("kind, options, message", [
+    ("loss", {"output": "tokens"}, "option 'output' must be in ('example', 'token', 'scalar') (got 'tokens')"),
+    ("loss", {"batch_coupled": "yes"}, "option 'batch_coupled' must be <class 'bool'>"),
+    ("reward", {"completion_format": "chat"}, "option 'completion_format' must be in"),
+    ("environment", {"owns_reward": 0}, "option 'owns_reward' must be <class 'bool'>"),
+    ("packing strategy", {"padding_free": None}, "option 'padding_free' must be <class 'bool'>"),
+    ("judge", {"images": True}, "unknown option 'images'; a judge accepts no options"),
+])
+def test_a_mistyped_option_is_one_line_naming_the_option(kind, options, message):
+    with pytest.raises(PlaitError, match=re.escape(message)) as err:
+        register_callback(Registry(kind), "plug", "dist", "1.0")("test.thing", loss, **options)
+    assert "\n" not in str(err.value) and "plugin 'plug' (dist 1.0)" in str(err.value)
+
+
+def test_every_kind_has_typed_options_with_defaults():
+    for kind in kinds().values():
+        assert issubclass(kind.options, Options) and kind.options() is not None  # every option is optional
+        assert Registry(kind.singular).options is kind.options
+
+
+def test_a_component_made_by_hand_gets_its_kinds_default_options():
+    assert Component(kind="loss", name="test.loss", obj=loss).options.reduction == "example"
+    assert Component(kind="environment", name="env.x", obj=loss).options.owns_reward is True
+    assert Component(kind="advantage estimator", name="advantage.x", obj=loss, options=AdvantageOptions(
+        token_level=True)).options.is_group_relative is False

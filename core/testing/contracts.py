@@ -44,8 +44,9 @@ from plait.registry import Component
 from .strategies import HALF, WIDE_REWARDS, BatchKind, batch_kind, batch_size_of, reward_inputs, rollouts, take
 
 __all__ = [
-    "CHECKS", "ContractViolation", "check_advantage_estimator", "check_component", "check_loss",
-    "check_params", "check_reward", "describe",
+    "CHECKS", "ContractViolation", "check_advantage_estimator", "check_callbacks", "check_collator", "check_command",
+    "check_component", "check_data_format", "check_generation_backend", "check_judge", "check_loss", "check_method",
+    "check_packing_strategy", "check_params", "check_reward", "describe", "encoded_rows",
 ]
 
 MONOTONE = ("non_increasing_in_margin",)
@@ -261,19 +262,15 @@ def check_params(component: Component, params: dict | None = None) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _loss_output(component: Component) -> str:
-    return component.options.get("output") or ("scalar" if component.options.get("reduces") else "example")
-
-
 class _LossUnderTest:
     def __init__(self, component: Component, params: dict | None):
         self.component, self.who = component, _who(component)
-        consumes = component.options.get("consumes")
+        consumes = component.options.consumes
         if consumes is None:
             raise ContractViolation(self.who, "declared input", "registered without consumes=<batch class from "
                                     "plait.engine.batches>, so no method can tell what to hand it")
         self.kind: BatchKind = batch_kind(consumes)
-        self.output = _loss_output(component)
+        self.output = component.options.reduction
         if self.output not in OUTPUTS:
             raise ContractViolation(self.who, "declared input", f"output={self.output!r}; use one of {OUTPUTS}")
         if self.output == "token" and self.kind.token_shape is None:
@@ -357,7 +354,7 @@ class _LossUnderTest:
 
     def monotone(self, drawn: tuple[Any, float]) -> None:
         batch, delta = drawn
-        prop = f"monotone: {self.component.options['monotone']}"
+        prop = f"monotone: {self.component.options.monotone}"
         with torch.no_grad():
             before = self(batch, prop)
             after = self(self.kind.raise_margin(batch, delta), prop)
@@ -411,13 +408,13 @@ def check_loss(
         _for_all(kind.strategy(dtype=dtype), lambda b, p=precision: loss.checked(b, p), max_examples)
         checked.append(f"finite output{precision}")
 
-    if not options.get("batch_coupled", False):
+    if not options.batch_coupled:
         with_perm = kind.strategy(min_size=2).flatmap(
             lambda b: st.tuples(st.just(b), st.permutations(range(batch_size_of(b)))))
         _for_all(with_perm, loss.independent, max_examples)
         checked += ([] if loss.output == "scalar" else ["batch-mean independence"]) + ["permutation invariance"]
 
-    declared = options.get("monotone")
+    declared = options.monotone
     if declared is not None:
         if declared not in MONOTONE:
             raise ContractViolation(loss.who, "declared input", f"monotone={declared!r}; the kit knows {MONOTONE}")
@@ -496,7 +493,7 @@ def check_reward(
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins without a signature: rely on the call below
         signature = None
-    columns = set(component.options.get("columns", ()))
+    columns = set(component.options.columns)
     if built is not None:  # a parameter naming the dataset column it reads (``column="solution"``)
         columns |= {getattr(built, f.name) for f in attrs.fields(type(built))
                     if (f.name == "column" or f.name.endswith("_column")) and isinstance(getattr(built, f.name), str)}
@@ -539,7 +536,7 @@ def check_reward(
             raise ContractViolation(who, "picklable", f"the unpickled copy returns {again!r}, the original "
                                     f"{result!r}", shown)
 
-    completion_format = component.options.get("completion_format", "text")
+    completion_format = component.options.completion_format
     _for_all(reward_inputs(completion_format=completion_format, columns=sorted(columns)), scores, max_examples)
     return checked + ["one value or None per completion", "picklable"]
 
@@ -573,7 +570,7 @@ def check_advantage_estimator(
     """
     component = _component(component_or_name, "advantage_estimators", plugins)
     who, options = _who(component), component.options
-    token_level = bool(options.get("token_level", False))
+    token_level = options.token_level
     p = _make_params(component, _base_values(component, params))
     checked = check_params(component, params)
 
@@ -614,7 +611,7 @@ def check_advantage_estimator(
     _for_all(with_order(), equivariant, max_examples)
     checked.append("permutation equivariance")
 
-    if options.get("group_relative", not token_level):
+    if options.is_group_relative:
         def zeros(rollout) -> None:
             out = estimate(rollout, "all-equal group → zeros")
             if not bool((out.abs() <= 1e-6).all()):
@@ -624,7 +621,7 @@ def check_advantage_estimator(
         _for_all(rollouts(all_equal=True, token_level=token_level), zeros, max_examples)
         checked.append("all-equal group → zeros")
 
-    if options.get("zero_mean_per_group", False):
+    if options.zero_mean_per_group:
         def zero_mean(rollout) -> None:
             out = estimate(rollout, "zero mean per group").double()
             per_group = out.reshape(rollout.num_groups, -1)
@@ -746,9 +743,232 @@ def _check_environment_component(component: Component, plugins: Plugins | None =
     return check_environment(component, plugins=plugins, **kwargs)  # its second positional parameter is rows
 
 
+# ---------------------------------------------------------------------------------------------
+# The kinds the chassis calls rather than differentiates: what it relies on, checked once
+# ---------------------------------------------------------------------------------------------
+
+
+def _built(component: Component, params: dict | None, *args: Any) -> Any:
+    """The registered object, or with ``params=`` the one its factory builds from them (``obj(params, *args)``)."""
+    if component.params is None:
+        return component.obj
+    return component.obj(_make_params(component, _base_values(component, params)), *args)
+
+
+def check_method(component_or_name: Component | str, plugins: Plugins | None = None) -> list[str]:
+    """A method's Config builds with its defaults, its Trainer subclasses the chassis
+    (:class:`plait.engine.trainer.PlaitTrainer`), and its loss family has a registered loss."""
+    from plait.engine.trainer import PlaitTrainer
+    from plait.method import Method
+
+    plugins = make_plugins() if plugins is None else plugins
+    component = _component(component_or_name, "methods", plugins)
+    who, method = _who(component), component.obj
+    if not isinstance(method, Method):
+        raise ContractViolation(who, "is a Method", f"registered {method!r}, not a plait.method.Method")
+    try:
+        method.config()
+    except Exception as err:  # noqa: BLE001 - any failure to build is the violation
+        raise ContractViolation(who, "Config builds with defaults", f"{method.config.__name__}() raised "
+                                f"{type(err).__name__}: {err}") from err
+    if not (isinstance(method.trainer, type) and issubclass(method.trainer, PlaitTrainer)):
+        raise ContractViolation(who, "Trainer subclasses the chassis", f"{method.trainer!r} is no PlaitTrainer")
+    if getattr(method.trainer, "method", None) != component.name.split(".", 1)[1]:
+        raise ContractViolation(who, "Trainer knows its name", f"{method.trainer.__name__}.method is "
+                                f"{getattr(method.trainer, 'method', None)!r}, not the name it is registered under")
+    if method.loss_family and not plugins.losses.family(method.loss_family):
+        raise ContractViolation(who, "its loss family has losses", f"no loss is registered as "
+                                f"'{method.loss_family}.<name>'")
+    return ["is a Method", "Config builds with defaults", "Trainer subclasses the chassis", "Trainer knows its name",
+            "its loss family has losses"]
+
+
+def check_generation_backend(component_or_name: Component | str, plugins: Plugins | None = None) -> list[str]:
+    """A backend factory takes ``(model, processing_class, args)`` and declares that it returns a
+    :class:`plait.online.generation.GenerationBackend` implementing every interface method; nothing is
+    built (a vLLM backend needs vLLM and a GPU)."""
+    import typing
+
+    from plait.online.generation import GenerationBackend
+
+    component = _component(component_or_name, "generation_backends", plugins)
+    who, factory = _who(component), component.obj
+    try:
+        inspect.signature(factory).bind(None, None, None)
+    except (TypeError, ValueError) as err:
+        raise ContractViolation(who, "factory(model, processing_class, args)", str(err)) from err
+    try:
+        made = typing.get_type_hints(factory).get("return")
+    except Exception:  # noqa: BLE001 - an annotation naming something not importable here
+        made = None
+    if not (isinstance(made, type) and issubclass(made, GenerationBackend)):
+        raise ContractViolation(who, "returns a GenerationBackend", f"the factory's return annotation is {made!r}; "
+                                "annotate it with the GenerationBackend subclass it builds")
+    missing = sorted(getattr(made, "__abstractmethods__", ()))
+    if missing:
+        raise ContractViolation(who, "implements the interface", f"{made.__name__} leaves {missing} unimplemented")
+    return ["factory(model, processing_class, args)", "returns a GenerationBackend", "implements the interface"]
+
+
+def check_data_format(component_or_name: Component | str, plugins: Plugins | None = None) -> list[str]:
+    """A format is a :class:`plait.data.prepare.DataFormat` registered under its own name that detects
+    each of its shapes: a row with exactly those columns is recognised as this format."""
+    from plait.data.prepare import DataFormat
+
+    component = _component(component_or_name, "data_formats", plugins)
+    who, fmt = _who(component), component.obj
+    if not isinstance(fmt, DataFormat) or fmt.name != component.name:
+        raise ContractViolation(who, "is its DataFormat", f"registered {fmt!r}, not a DataFormat named {component.name!r}")
+    for shape in fmt.shapes:
+        if fmt.detect(shape) != component.name:
+            raise ContractViolation(who, "detects its own rows", f"columns {list(shape)} are not recognised")
+    return ["is its DataFormat", "detects its own rows"]
+
+
+def encoded_rows(size: int = 3) -> list[dict]:
+    """Tokenised rows carrying every field plait's collators read (prompt/completion, chosen/rejected, labels)."""
+    return [{"input_ids": [5, 6, 7 + i], "prompt_ids": [5, 6], "completion_ids": [7, 8 + i] * (i + 1),
+             "chosen_ids": [9, 10], "rejected_ids": [11] * (i + 1), "labels": [0, 1, i % 2],
+             "completion_mask": [0, 1, 1], "label": bool(i % 2), "prompt": "x", "ref_chosen_logps": -1.0,
+             "ref_rejected_logps": -2.0} for i in range(size)]
+
+
+def check_collator(component_or_name: Component | str, plugins: Plugins | None = None, *,
+                   examples: Sequence[dict] | None = None, processing_class: Any = None,
+                   options: dict | None = None) -> list[str]:
+    """A collator factory builds from ``(processing_class, **options)`` and its collate function turns a
+    tiny batch (``examples``, default :func:`encoded_rows`) into a dict holding tensors, leaves the rows
+    as they were, answers alike twice, and pads ``input_ids`` to ``pad_to_multiple_of`` when it takes one."""
+    import copy
+
+    component = _component(component_or_name, "collators", plugins)
+    who = _who(component)
+    if processing_class is None:
+        from transformers import AutoTokenizer
+
+        from plait.testing.tiny_model import tiny_model_path
+
+        processing_class = AutoTokenizer.from_pretrained(tiny_model_path())
+    rows = list(examples or encoded_rows())
+    options = dict(options or {})
+    if "pad_to_multiple_of" in inspect.signature(component.obj).parameters:
+        options.setdefault("pad_to_multiple_of", 8)
+    collate = component.obj(processing_class, **options)
+    before = copy.deepcopy(rows)
+    batch = collate(rows)
+    if rows != before:
+        raise ContractViolation(who, "leaves the rows as they were", "collating changed the examples it was given")
+    tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)} if isinstance(batch, dict) else {}
+    if not tensors:
+        raise ContractViolation(who, "returns tensors", f"collated {type(batch).__name__} with no tensor in it")
+    again = collate(copy.deepcopy(before))
+    if set(again) != set(batch) or not all(torch.equal(again[k], v) for k, v in tensors.items()):
+        raise ContractViolation(who, "deterministic", "collating the same rows twice differs")
+    multiple, ids = options.get("pad_to_multiple_of"), batch.get("input_ids")
+    if multiple and isinstance(ids, Tensor) and "attention_mask" in batch and ids.shape[-1] % multiple:
+        raise ContractViolation(who, "pads to pad_to_multiple_of", f"input_ids is {ids.shape[-1]} wide, "
+                                f"pad_to_multiple_of={multiple}")
+    return ["returns tensors", "leaves the rows as they were", "deterministic", "pads to pad_to_multiple_of"]
+
+
+PACKING_LENGTHS = ([3, 5, 2, 7], [10], [1] * 9, [4, 12, 0, 6, 6], [8, 8, 8])
+
+
+def check_packing_strategy(component_or_name: Component | str, plugins: Plugins | None = None, *,
+                           max_length: int = 8) -> list[str]:
+    """Bins of ``(example, start, end)`` slices: each bin at most ``max_length`` tokens, slices inside their
+    example and never overlapping, and every non-empty example packed."""
+    component = _component(component_or_name, "packing_strategies", plugins)
+    who = _who(component)
+    for lengths in PACKING_LENGTHS:
+        where = f"lengths={lengths}, max_length={max_length}"
+        bins = component.obj(list(lengths), max_length)
+        taken: dict[int, list[tuple[int, int]]] = {}
+        for packed in bins:
+            if sum(end - start for _, start, end in packed) > max_length:
+                raise ContractViolation(who, "bins fit max_length", f"bin {packed} holds more tokens", where)
+            for i, start, end in packed:
+                if not (0 <= i < len(lengths) and 0 <= start < end <= lengths[i]):
+                    raise ContractViolation(who, "slices inside their example", f"slice {(i, start, end)}", where)
+                taken.setdefault(i, []).append((start, end))
+        for i, spans in taken.items():
+            spans.sort()
+            if any(a_end > b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])):
+                raise ContractViolation(who, "slices never overlap", f"example {i}: {spans}", where)
+        lost = [i for i, n in enumerate(lengths) if n and i not in taken]
+        if lost:
+            raise ContractViolation(who, "every example packed", f"examples {lost} are in no bin", where)
+    return ["bins fit max_length", "slices inside their example", "slices never overlap", "every example packed"]
+
+
+def check_judge(component_or_name: Component | str, plugins: Plugins | None = None, *,
+                params: dict | None = None) -> list[str]:
+    """A judge (built from ``params`` when it takes them) ranks pairs: one of -1, 0, 1 per pair; a judge
+    offering ``scores`` gives one finite score per completion."""
+    plugins = make_plugins() if plugins is None else plugins
+    component = _component(component_or_name, "judges", plugins)
+    who, judge = _who(component), _built(component, params, plugins)
+    prompts = ["What is 2 + 3?", "Name a colour."]
+    pairs = [["5", "6"], ["blue", "blue"]]
+    ranks = judge(prompts, pairs)
+    if len(ranks) != len(pairs) or any(rank not in (-1, 0, 1) for rank in ranks):
+        raise ContractViolation(who, "ranks each pair", f"returned {ranks!r} for {len(pairs)} pairs")
+    checked = ["ranks each pair"]
+    if hasattr(judge, "scores"):
+        scores = torch.as_tensor(judge.scores(prompts, [pair[0] for pair in pairs]), dtype=torch.float32)
+        if scores.shape != (len(prompts),) or not bool(scores.isfinite().all()):
+            raise ContractViolation(who, "scores each completion", f"returned {scores.tolist()} for {len(prompts)}")
+        checked.append("scores each completion")
+    return checked
+
+
+def check_command(component_or_name: Component | str, plugins: Plugins | None = None) -> list[str]:
+    """A command is a :class:`plait.cli.Command` whose ``run`` is callable (or that names a registered
+    method it is another name of) and whose ``add_arguments`` fills a fresh parser."""
+    import argparse
+
+    from plait.cli import Command
+
+    plugins = make_plugins() if plugins is None else plugins
+    component = _component(component_or_name, "commands", plugins)
+    who, command = _who(component), component.obj
+    if not isinstance(command, Command):
+        raise ContractViolation(who, "is a Command", f"registered {command!r}, not a plait.cli.Command")
+    if command.method is not None:
+        if f"method.{command.method}" not in plugins.methods:
+            raise ContractViolation(who, "names a method", f"method {command.method!r} is not registered")
+        return ["is a Command", "names a method"]
+    if not callable(command.run):
+        raise ContractViolation(who, "run is callable", f"run is {command.run!r}")
+    command.add_arguments(argparse.ArgumentParser(prog=f"plait {component.name.split('.', 1)[1]}"))
+    return ["is a Command", "run is callable", "add_arguments fills a parser"]
+
+
+def check_callbacks(plugin: Any, method: str, args: Any = None, plugins: Plugins | None = None) -> list[str]:
+    """A plugin's ``trainer_callbacks`` answer for ``method`` (``args``: its Config with defaults) is a
+    list of transformers ``TrainerCallback`` instances. ``plugin``: a plugin object or a loaded plugin's name."""
+    from transformers import TrainerCallback
+
+    plugins = make_plugins() if plugins is None else plugins
+    if isinstance(plugin, str):
+        plugin = plugins.pm.get_plugin(plugin)
+    component = plugins.methods.get(method, family="method")
+    args = component.obj.config() if args is None else args
+    who = f"plugin {getattr(plugin, '__name__', plugin)!r}"
+    given = {"method": component.name.split(".", 1)[1], "args": args}  # as the chassis calls it: the bare name
+    answer = plugin.trainer_callbacks(**{k: v for k, v in given.items()
+                                         if k in inspect.signature(plugin.trainer_callbacks).parameters})
+    if not isinstance(answer, (list, tuple)) or not all(isinstance(c, TrainerCallback) for c in answer):
+        raise ContractViolation(who, "returns TrainerCallbacks", f"trainer_callbacks for {method!r} returned {answer!r}")
+    return ["returns TrainerCallbacks"]
+
+
+# kind (as a registry calls one entry) -> its check(component, plugins, **kwargs)
 CHECKS: dict[str, Callable[..., list[str]]] = {
     "loss": check_loss, "reward": check_reward, "advantage estimator": check_advantage_estimator,
-    "environment": _check_environment_component,
+    "environment": _check_environment_component, "method": check_method, "generation backend": check_generation_backend,
+    "data format": check_data_format, "collator": check_collator, "packing strategy": check_packing_strategy,
+    "judge": check_judge, "command": check_command,
 }
 
 
