@@ -213,6 +213,11 @@ def pack(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: i
             "completion_mask": attention[:, width:].to(device), "prompt_length": width}
 
 
+def whole_groups(prompt_ids: list[list[int]], g: int) -> bool:
+    """Do the rows come as whole groups of ``g`` equal prompts (then each prompt is sampled once with n = g)?"""
+    return len(prompt_ids) % g == 0 and all(prompt_ids[i] == prompt_ids[i - i % g] for i in range(len(prompt_ids)))
+
+
 def pad_floats(rows: list[list[float]], width: int, device) -> Tensor:
     out = torch.zeros((len(rows), width), dtype=torch.float32)
     for i, row in enumerate(rows):

@@ -20,19 +20,12 @@ micro-steps and passes of a rollout), :meth:`~RolloutTrainer.sampling_params` an
 PPO's policy + value model); a value model or a teacher are the method's own modules.
 
 :class:`OnlineTrainer` is the GRPO family's (GRPO, RLOO, async GRPO, online DPO): ``num_generations``
-completions per prompt, reward functions or an agent's episodes, the sampling and reference policies'
-log-probs, importance sampling, and a registered advantage estimator. Per generation batch it
-
-1. samples completions through the configured generation backend (``generation.<name>``),
-2. scores every completion with the reward functions (:mod:`plait.online.scoring`) and gathers the
-   scores of all processes,
-3. computes the sampling policy's log-probs when the buffer outlives one optimizer step
-   (``num_iterations`` > 1 or more micro-batches than one accumulation window), and the
-   reference's when the method needs them (beta > 0), and turns scores into advantages with a
-   registered estimator,
-4. serves the buffer, shuffled and cut into ``steps_per_generation`` micro-batches,
-   ``num_iterations`` times over; each micro-batch becomes a :class:`plait.engine.batches.PolicyTokens`
-   for the method's composed losses.
+completions per prompt from the backend or an agent's episodes; scored by reward functions
+(:mod:`plait.online.scoring`) gathered over every process; estimated with the sampling policy's
+log-probs when the buffer outlives one optimizer step (``num_iterations`` > 1 or more micro-batches than
+one accumulation window), the reference's when the method needs them (beta > 0), importance weights
+and a registered advantage estimator; recorded as :class:`plait.engine.batches.PolicyTokens` rows for
+the method's composed losses, served ``num_iterations`` times in ``steps_per_generation`` micro-batches.
 
 Nothing here names a concrete loss, reward, estimator, collator or backend.
 """
@@ -68,6 +61,7 @@ from .buffer import (
     pack,
     pad_floats,
     split_rows,
+    whole_groups,
 )
 from .generation import GenerationChoice, Generations, SamplingParams, resolve_backend
 from .importance_sampling import importance_sampling_metrics, importance_weights
@@ -345,8 +339,7 @@ class RolloutTrainer(PlaitTrainer):
             backend.load_weights(self.accelerator.unwrap_model(self.policy_module()))
             self._synced_step = self.state.global_step
         sampling = self.sampling_params()
-        grouped = len(prompt_ids) % g == 0 and all(
-            prompt_ids[i] == prompt_ids[i - i % g] for i in range(len(prompt_ids)))
+        grouped = whole_groups(prompt_ids, g)
         with_images = {} if images is None else {"images": images.select(slice(None, None, g) if grouped else slice(None))}
         if grouped:
             out = backend.generate(prompt_ids[::g], attrs.evolve(sampling, num_generations=g), **with_images)

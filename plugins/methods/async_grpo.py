@@ -55,7 +55,7 @@ from transformers import TrainerCallback
 from plait import Method, PlaitError, hookimpl
 from plait.engine.config import method_config
 from plait.online.generation import Generations, SamplingParams
-from plait.online.buffer import completion_columns, pack
+from plait.online.buffer import completion_columns, pack, whole_groups
 from plait.online.chassis import Draft, prompt_ids_of
 from plait.online.weights import full_tensor, policy_parameters
 from plait.params import int_at_least
@@ -500,7 +500,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def _job(self, index: int, prompt_ids: list[list[int]], min_version: int) -> Job:
         g = self.group_size
         sampling = self.args.params.sampling()
-        if len(prompt_ids) % g == 0 and all(prompt_ids[i] == prompt_ids[i - i % g] for i in range(len(prompt_ids))):
+        if whole_groups(prompt_ids, g):
             prompt_ids, sampling = prompt_ids[::g], attrs.evolve(sampling, num_generations=g)
         return Job(index, prompt_ids, sampling, min_version, seed=self.args.seed + index)
 
