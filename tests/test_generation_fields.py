@@ -19,11 +19,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import plait
 from plait import hookimpl, make_plugins
+from plait.engine.layout import check_multiple
 from plait.errors import PlaitError
 from plait.manager import default_plugins
-from plait.online.generation import GenerationBackend, SamplingParams, padding_multiple
-from plait.online.importance_sampling import importance_weights
 from plait.online.buffer import pack, split_rows
+from plait.online.generation import GenerationBackend, SamplingParams
+from plait.online.importance_sampling import importance_weights
 from plait.plugins.generation import transformers_backend, vllm_colocate, vllm_server
 from plait.plugins.generation._vllm import vllm_sampling
 from plait.plugins.methods.distill import DistillConfig, DistillTrainer
@@ -221,8 +222,8 @@ def test_cache_implementation_reaches_generate(tiny):
 
 def test_pad_to_multiple_of_pads_prompts_for_generate_and_training_tensors(tiny):
     model, tokenizer = tiny
-    assert padding_multiple("auto", torch.device("cpu")) is None  # TRL 1.16: "auto" pads only on AWS Neuron
-    assert padding_multiple("auto", "neuron") == 128
+    assert check_multiple("auto", "cpu") is None  # TRL 1.16: "auto" pads only on AWS Neuron
+    assert check_multiple("auto", "neuron") == 128
     assert grpo_config(pad_to_multiple_of="none").params.pad_to_multiple_of is None  # TRL's command-line spellings
     assert grpo_config(pad_to_multiple_of="8").params.pad_to_multiple_of == 8
     with pytest.raises(PlaitError, match="pad_to_multiple_of=0 must be an integer >= 1, 'auto' or None"):

@@ -23,7 +23,6 @@ from typing import Any, Mapping, Sequence
 import attrs
 
 from plait.data.chat import encode, is_conversational, render_prompt, tokenizer_of
-from plait.engine.layout import check_multiple, padded_length
 from plait.errors import PlaitError
 from plait.params import in_range, one_of, positive
 
@@ -203,13 +202,6 @@ def _padding_multiple(instance, attribute, value) -> None:
         raise ValueError(f"{attribute.name}={value!r} must be an integer >= 1, 'auto' or None")
 
 
-def padding_multiple(value: int | str | None, device) -> int | None:
-    """What ``pad_to_multiple_of`` means on ``device``: the collators' rule,
-    :func:`plait.engine.layout.check_multiple`, for that device's type."""
-    return check_multiple(value, getattr(device, "type", str(device)))
-
-
-padded_width = padded_length  # a width rounded up to a multiple (unchanged when None)
 
 
 @functools.cache

@@ -31,6 +31,7 @@ from transformers import GenerationConfig
 from plait import hookimpl
 from plait.data.chat import tokenizer_of
 from plait.data.vision import RowInputs, image_token_ids
+from plait.engine.layout import check_multiple, padded_length
 from plait.errors import PlaitError
 from plait.online.generation import (
     SAMPLING,
@@ -39,8 +40,6 @@ from plait.online.generation import (
     SamplingParams,
     encode_prompts,
     eos_token_ids,
-    padded_width,
-    padding_multiple,
 )
 
 NAME = "generation.transformers"
@@ -135,7 +134,7 @@ class TransformersBackend(GenerationBackend):
             order = [i for i in range(len(prompt_ids)) for _ in range(sampling.num_generations)]
             prompt_ids = [prompt_ids[i] for i in order]
         device = next(model.parameters()).device
-        width = padded_width(max(len(ids) for ids in prompt_ids), self.pad_to_multiple_of)
+        width = padded_length(max(len(ids) for ids in prompt_ids), self.pad_to_multiple_of)
         input_ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
         for i, ids in enumerate(prompt_ids):  # left padding: every row's next token is at the same column
@@ -238,7 +237,7 @@ def transformers_backend(model, processing_class, args=None) -> TransformersBack
     return TransformersBackend(
         model, processing_class, getattr(p, "generation_max_batch_size", None),
         cache_implementation=getattr(p, "cache_implementation", None),
-        pad_to_multiple_of=padding_multiple(getattr(p, "pad_to_multiple_of", None), device),
+        pad_to_multiple_of=check_multiple(getattr(p, "pad_to_multiple_of", None), device.type),
         continuous_batching=_continuous_batching(p),
     )
 
