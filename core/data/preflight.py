@@ -1,10 +1,10 @@
 """Pre-flight checks: every input a user owns, refused in one line before any weights load.
 
-One function per input. ``plait <method> --config r.yaml --check`` runs them all through
-:func:`check_inputs` (after :func:`plait.recipes.run.check_recipe` has checked names and types); the
-Python API reaches the same functions where it needs them: :func:`model_source` from
-:func:`plait.engine.models.load_model`, :func:`training_numbers` and :func:`resume_checkpoint` from
-every method Config's ``__post_init__``. Each failure is a :class:`~plait.errors.PlaitError`
+One function per input (models, tokenizers, data files). ``plait <method> --config r.yaml --check``
+runs them all through :func:`plait.recipes.run.check_inputs`; the Python API reaches them where it
+needs them: :func:`model_source` from :func:`plait.engine.models.load_model` and
+:func:`plait.data.tokenizer.load_tokenizer`. The run folder's checks (``output_dir``, resume,
+training numbers) are :mod:`plait.engine.run_folder`'s. Each failure is a :class:`~plait.errors.PlaitError`
 naming the field, the value and the fix; none of these checks reads model weights.
 """
 
@@ -31,6 +31,11 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 # ---------------------------------------------------------------------------------------------
 # Models and tokenizers
 # ---------------------------------------------------------------------------------------------
+
+
+def checkpoint_step(name: str) -> int:
+    """The step of a ``checkpoint-N`` folder's name."""
+    return int(CHECKPOINT.match(name).group(1))
 
 
 def model_source(model: Any, field: str = "model", init_kwargs: dict | None = None) -> None:
@@ -113,13 +118,9 @@ def tokenizer_files(model: Any, field: str = "model") -> None:
                              "save the tokenizer there (tokenizer.save_pretrained(folder)) or pass processing_class")
 
 
-
-
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
-
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,43 +243,3 @@ def _split_rows(split: str, rows: dict[str, int | None], field: str) -> None:
         sizes = ", ".join(f"{k}: {v} rows" for k, v in rows.items())
         raise PlaitError(f"{field}.split={split!r} selects no rows ({sizes}); add rows to the data files or "
                          "widen the split")
-
-
-# ---------------------------------------------------------------------------------------------
-# Training numbers
-# ---------------------------------------------------------------------------------------------
-
-
-
-
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints and the output folder
-# ---------------------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-# ---------------------------------------------------------------------------------------------
-# Everything a recipe names
-# ---------------------------------------------------------------------------------------------
-
-
-
-
-
-
-def checkpoint_step(name: str) -> int:
-    """The step of a ``checkpoint-N`` folder's name."""
-    return int(CHECKPOINT.match(name).group(1))

@@ -148,10 +148,6 @@ class ModelLoading:
     max_pixels: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive))
 
 
-
-
-
-
 def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[str, Any] = {}, module: str | None = None) -> type:
     """Return the dataclass ``name``: every TrainingArguments field, ``defaults`` overriding its
     defaults, plus the fields of the attrs class ``params`` (validated in ``__post_init__``).
@@ -232,8 +228,6 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
     cls.__module__ = module or sys._getframe(1).f_globals.get("__name__", __name__)
     cls.params_class = params
     return cls
-
-
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,12 +27,6 @@ logger = logging.getLogger("plait")
 T = TypeVar("T")
 
 
-
-
-
-
-
-
 def load_model(model: str | PreTrainedModel, init_kwargs: dict | None = None, auto_class=AutoModelForCausalLM,
                field: str = "model", default_dtype: str = "float32") -> PreTrainedModel:
     """A ready model from an id/path (with ``model_init_kwargs``) or a model instance as given.
@@ -81,8 +75,6 @@ def warn_if_half_precision_weights(model: torch.nn.Module) -> None:
                        "fine-tuning learning rates fall below that precision and are lost. Train float32 weights "
                        "(drop dtype from model_init_kwargs, or pass model.float()) with bf16=True for mixed precision.",
                        len(half), trainable, str(half[0][1]).removeprefix("torch."), half[0][0])
-
-
 
 
 def agree_on_tokens(tokenizer, model: PreTrainedModel, *, eos: bool, pad: bool) -> None:

@@ -22,12 +22,8 @@ RUN_METADATA = "plait_run.json"  # written by PlaitTrainer next to every saved m
 TRAINER_STATE = "trainer_state.json"  # transformers writes it last into a checkpoint
 
 
-
-
 # Fields that may differ when the same run is resumed or rerun (also from a moved folder).
 RESTART_FIELDS = ("resume_from_checkpoint", "overwrite_output_dir", "output_dir")
-
-
 
 
 def _number(args, name: str, description: str, ok) -> None:

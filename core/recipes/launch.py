@@ -58,12 +58,6 @@ def inside_launched_process() -> bool:
     return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
-
-
-
-
-
-
 def _gpus() -> int:
     import torch
 
@@ -78,8 +72,6 @@ def _fsdp_environment(path: Path, n: int) -> dict[str, str]:
     args = launch_command_parser().parse_args(["--config_file", str(path), "--num_processes", str(n), "plait"])
     env = prepare_multi_gpu_env(_validate_launch_command(args)[0])
     return {k: v for k, v in env.items() if k.startswith(("FSDP_", "ACCELERATE_")) and os.environ.get(k) != v}
-
-
 
 
 def launch_command(argv: list[str], num_processes: int | None = None, accelerate_config: str | None = None,
