@@ -6,6 +6,7 @@ vLLM needed); sampling options on the real transformers backend and the tiny mod
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -441,3 +442,81 @@ def test_teacher_model_revision_loads_that_revision(tmp_path):
     with pytest.raises(PlaitError, match="teacher_model_revision='v2' applies to a teacher loaded by name"):
         DistillTrainer(str(tiny_model_path()), teacher_model=doubled, train_dataset=PROMPTS,
                        args=DistillConfig(output_dir=str(tmp_path / "out"), report_to=[], teacher_model_revision="v2"))
+
+
+# -- a third-party backend's options are Config fields, recipe keys and flags, with no edit to plait -------------
+
+ECHO_PLUGIN = '''
+import attrs
+from typing import ClassVar
+from plait import hookimpl
+from plait.online.generation import GenerationBackend, Generations, backend_options, encode_prompts
+
+
+def _at_least_one(instance, attribute, value):
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"echo_{attribute.name}={value!r} must be an integer >= 1")
+
+
+@attrs.frozen
+class EchoParams:
+    config_prefix: ClassVar[str] = "echo_"
+    repeat: int = attrs.field(default=1, validator=_at_least_one)
+
+
+class Echo(GenerationBackend):
+    """Answers every prompt with its last token, `repeat` times."""
+
+    def __init__(self, processing_class, params):
+        self.processing_class, self.params = processing_class, params
+
+    def generate(self, prompts, sampling):
+        ids = encode_prompts(self.processing_class, prompts)
+        rows = [row for row in ids for _ in range(sampling.num_generations)]
+        completions = [[row[-1]] * self.params.repeat for row in rows]
+        return Generations(rows, completions, [""] * len(rows), [False] * len(rows))
+
+
+def check(args):
+    return backend_options(EchoParams, args, "generation.echo")
+
+
+@hookimpl
+def register_generation_backends(register):
+    register("generation.echo", lambda model, tokenizer, args: Echo(tokenizer, check(args)), check=check,
+             doc="echo the prompt's last token")
+'''
+
+
+def install_echo_backend(site: Path) -> None:
+    """A third-party backend as pip would leave it: its module, and a dist-info naming it twice (the plugin
+    in group `plait`, its options class in `plait.generation_options`)."""
+    site.mkdir(parents=True)
+    (site / "plait_echo.py").write_text(ECHO_PLUGIN)
+    info = site / "plait_echo-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: plait-echo\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[plait]\necho = plait_echo\n\n"
+                                           "[plait.generation_options]\necho = plait_echo:EchoParams\n")
+
+
+def test_a_third_party_backend_owns_its_config_fields(tmp_path):
+    site = tmp_path / "site"
+    install_echo_backend(site)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+
+    def grpo(*flags):
+        return subprocess.run([str(PLAIT), "grpo", "--config", "examples/recipes/grpo_tiny.yaml", "--model",
+                               str(tiny_model_path()), "--output_dir", str(tmp_path / "out"),
+                               "--generation_backend", "echo", *flags], capture_output=True, text=True, timeout=300,
+                              cwd=ROOT, env=env)
+
+    bad = grpo("--echo_repeat", "0", "--check")
+    assert bad.returncode != 0 and "generation.echo: echo_repeat=0 must be an integer >= 1" in bad.stderr
+    run = grpo("--echo_repeat", "3", "--max_steps", "1", "--logging_steps", "1", "--report_to", "none")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "'completions/mean_length': '3'" in run.stdout + run.stderr  # the flag reached the backend's options
+    python = subprocess.run([sys.executable, "-c", "import plait; print(plait.GRPOConfig(output_dir='x', "
+                             "report_to='none', echo_repeat=2).echo_repeat)"], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert python.stdout.strip() == "2", python.stderr[-2000:]

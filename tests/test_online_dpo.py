@@ -57,12 +57,12 @@ def test_defaults_follow_trl_online_dpo_config():
     # TRL 1.16's OnlineDPOConfig (trl.experimental.online_dpo), read by running it
     assert (p.max_new_tokens, p.max_length, p.temperature, p.top_p, p.top_k, p.min_p) == (64, 512, 0.9, 1.0, 0, None)
     assert (p.beta, p.loss_type, p.missing_eos_penalty, p.reward_model_path, p.reward_weights) == (0.1, None, None, None, None)
-    assert (p.use_vllm, p.vllm_mode, p.vllm_gpu_memory_utilization, p.num_generations) == (False, "colocate", 0.55, 2)
+    assert (p.use_vllm, p.vllm_mode, args.vllm_gpu_memory_utilization, p.num_generations) == (False, "colocate", 0.55, 2)
     fresh = plait.OnlineDPOConfig(output_dir="/tmp/x", use_cpu=True)
     assert (fresh.learning_rate, fresh.logging_steps, fresh.remove_unused_columns, fresh.disable_dropout) == (5e-7, 10, False, True)
     assert fresh.gradient_checkpointing is True  # TRL's, as for every method
     # plait's own, as for every online method (docs/trl-differences.md): TRL says 'vllm', '0.0.0.0'
-    assert (p.vllm_model_impl, p.vllm_server_host) == ("auto", "127.0.0.1")
+    assert (args.vllm_model_impl, args.vllm_server_host) == ("auto", "127.0.0.1")
     assert p.max_completion_length == 64  # the online base's name for the same length
     assert p.beta_at(0) == 0.1 and config(beta=[0.3, 0.2]).params.beta_at(5.0) == 0.2  # TRL's per-epoch list
 

@@ -112,11 +112,10 @@ def test_the_config_logs_and_pickles_no_secret_but_keeps_using_it(tmp_path):
         assert "SECRET" not in text
     assert "<VLLM_SERVER_TOKEN>" in repr(args) and "'dtype': 'float32'" in repr(args)
     # the live config still holds the secrets its run needs
-    assert (args.hub_token, args.vllm_server_token, args.params.vllm_server_token) == ("hf_HUBSECRET", "VLLMSECRET",
-                                                                                        "VLLMSECRET")
+    assert (args.hub_token, args.vllm_server_token) == ("hf_HUBSECRET", "VLLMSECRET")
     restored = torch.load(tmp_path / "training_args.bin", weights_only=False)
     assert type(restored) is GRPOConfig and restored.params.num_generations == 4
-    assert (restored.hub_token, restored.params.vllm_server_token) == ("<HUB_TOKEN>", "<VLLM_SERVER_TOKEN>")
+    assert (restored.hub_token, restored.vllm_server_token) == ("<HUB_TOKEN>", "<VLLM_SERVER_TOKEN>")
     assert restored.model_init_kwargs == {"token": "<TOKEN>", "dtype": "float32"}
 
 

@@ -148,20 +148,62 @@ class ModelLoading:
     max_pixels: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive))
 
 
+def _field_spec(default: Any, metadata: Mapping[str, Any] | None = None) -> dataclasses.Field:
+    if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+        return dataclasses.field(default_factory=default.factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@functools.cache
+def plugin_options(group: str) -> tuple[type, ...]:
+    """The options classes plugins publish under the entry-point group ``group`` (sorted by entry name).
+
+    A plugin's options must be fields of a method's Config before the registry exists: a Config class is
+    built when its method plugin is imported, while the plugins load. So a plugin that owns config fields
+    (a generation backend: ``generation.vllm_colocate`` owns ``vllm_gpu_memory_utilization`` ...) names its
+    attrs options class in a second, data-only entry point, read here without loading the registry. One that
+    fails to import is skipped with a warning: its fields are missing, and its plugin fails where it loads."""
+    import importlib.metadata
+
+    classes = []
+    for entry in sorted(importlib.metadata.entry_points(group=group), key=lambda e: e.name):
+        try:
+            classes.append(attrs.resolve_types(entry.load()))
+        except Exception as err:  # noqa: BLE001 - one broken package must not take every Config with it
+            logger.warning("plait: the %s entry point %r (%s) failed to load (%s); its config fields are missing",
+                           group, entry.name, entry.value, err)
+    return tuple(classes)
+
+
+def contributed_fields(params: type) -> dict[str, tuple[Any, Any, type]]:
+    """Config fields contributed by plugins to a method whose ``params`` declare ``plugin_options_group``:
+    ``config_prefix + option`` -> (annotation, default, the options class). Two classes may share a field
+    only with one type and default."""
+    fields: dict[str, tuple[Any, Any, type]] = {}
+    group = getattr(params, "plugin_options_group", None)
+    for options in plugin_options(group) if group else ():
+        prefix = getattr(options, "config_prefix", "")
+        for attribute in attrs.fields(options):
+            name, annotation, default = f"{prefix}{attribute.name}", attribute.type or Any, attribute.default
+            if name in fields and fields[name][:2] != (annotation, default):
+                raise PlaitError(f"config field {name!r} is declared by {fields[name][2].__qualname__} and by "
+                                 f"{options.__qualname__} with different types or defaults; rename one")
+            fields.setdefault(name, (annotation, default, options))
+    return fields
+
+
 def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[str, Any] = {}, module: str | None = None) -> type:
     """Return the dataclass ``name``: every TrainingArguments field, ``defaults`` overriding its
-    defaults, plus the fields of the attrs class ``params`` (validated in ``__post_init__``).
+    defaults, plus the fields of the attrs class ``params`` (validated in ``__post_init__``) and the
+    fields plugins contribute to it (:func:`contributed_fields`, validated by their plugin when used).
 
     The instance's ``.params`` holds the validated attrs object the method's code reads.
     """
-    fields = []
-    for attribute in attrs.fields(params):
-        default = attribute.default
-        if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
-            spec = dataclasses.field(default_factory=default.factory)
-        else:
-            spec = dataclasses.field(default=default)
-        fields.append((attribute.name, attribute.type or Any, spec))
+    fields = [(a.name, a.type or Any, _field_spec(a.default, a.metadata)) for a in attrs.fields(params)]
+    own_params = {a.name for a in attrs.fields(params)}
+    for field_name, (annotation, default, _) in contributed_fields(params).items():
+        if field_name not in own_params:  # the method's own field wins
+            fields.append((field_name, annotation, _field_spec(defaults.get(field_name, default))))
     # How models and the tokenizer load (TRL's fields); a method's `defaults` may change a default.
     for attribute in attrs.fields(attrs.resolve_types(ModelLoading)):
         fields.append((attribute.name, attribute.type, dataclasses.field(default=defaults.get(attribute.name, attribute.default))))

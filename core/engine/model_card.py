@@ -16,6 +16,7 @@ failed write leaves the previous card, or none, never half of one.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import importlib.metadata
 import os
@@ -30,6 +31,7 @@ import yaml
 from plait.errors import PlaitError
 from plait.paths import write_atomically
 
+from .config import contributed_fields
 from .redact import masked
 
 CARD_FILE = "README.md"
@@ -161,12 +163,12 @@ def card_facts(trainer, details: CardDetails) -> dict[str, Any]:
     training["num_processes"] = world_size
     params_class = getattr(type(args), "params_class", None)
     changed = {}
-    for attribute in attrs.fields(params_class) if params_class is not None else ():
-        default = attribute.default
-        default = default.factory() if isinstance(default, attrs.Factory) else default  # type: ignore[arg-type]
-        value = getattr(args, attribute.name, default)
-        if value != default:
-            changed[attribute.name] = value
+    # the method's own fields and those its plugins contribute (a backend's vllm_*), against the Config's defaults
+    own = {a.name for a in attrs.fields(params_class)} | set(contributed_fields(params_class)) if params_class else set()
+    for field in (f for f in dataclasses.fields(args) if f.name in own):
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        if getattr(args, field.name) != default:
+            changed[field.name] = getattr(args, field.name)
     losses = [
         {"name": term.name, "weight": term.weight, "origin": term.origin, "summary": term.component.summary,
          "params": attrs.asdict(term.params, recurse=False) if attrs.has(type(term.params)) else {}}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import abc
 import functools
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import attrs
 
@@ -163,7 +163,8 @@ def eos_token_ids(processing_class, model=None) -> set[int]:
 # The generation fields of a method's config
 # ---------------------------------------------------------------------------------------------
 
-VLLM_MODES = ("colocate", "server")
+# TRL names the backend with use_vllm and vllm_mode: its mode -> the registered backend it means
+TRL_VLLM_MODES = {"colocate": "vllm_colocate", "server": "vllm_server"}
 SAMPLING = "sampling"  # the role of the backend used when a config chooses none
 
 
@@ -232,7 +233,9 @@ class GenerationChoice:
       ``use_transformers_continuous_batching`` (``use_transformers_paged`` is TRL's older name) with
       ``transformers_continuous_batching_config``, ``generation_max_batch_size``,
       ``ds3_gather_for_generation`` (DeepSpeed ZeRO-3 only);
-    * the vLLM backends: the ``vllm_*`` engine and server fields (docs/vllm.md);
+    * the vLLM backends: the ``vllm_*`` engine and server fields, declared by each backend's own options
+      class (``VLLMColocateParams``, ``VLLMServerParams``) and added to the Config from there (docs/vllm.md);
+      a third-party backend's options become Config fields, YAML keys and flags the same way;
     * ``max_tool_calling_iterations``: how many times generation continues after tool results
       (:mod:`plait.online.rollouts`; None: until the length budget ends);
     * completion logs: ``log_completions`` prints (and sends to wandb) a table of each rollout's
@@ -241,12 +244,17 @@ class GenerationChoice:
       methods are text-only, and the Hub is not written to: a warning says so).
     """
 
+    # Fields of one backend (vllm_gpu_memory_utilization, vllm_server_port ...) are that backend's: its options
+    # class, published under this entry-point group, adds them to every Config (plait.engine.config.contributed_fields).
+    plugin_options_group: ClassVar[str] = "plait.generation_options"
     # sampling
     top_p: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
     top_k: int | None = attrs.field(default=0, validator=_optional_int_at_least(0))
     min_p: float | None = attrs.field(default=None, validator=attrs.validators.optional(in_range(0.0, 1.0)))
     repetition_penalty: float = attrs.field(default=1.0, validator=positive)
     generation_kwargs: dict | None = attrs.field(default=None, validator=_optional_dict)
+    # guided decoding, honoured by every backend that can (TRL's name: vLLM was its only backend with it)
+    vllm_structured_outputs_regex: str | None = attrs.field(default=None, validator=_optional_text)
     # prompts
     chat_template_kwargs: dict | None = attrs.field(default=None, validator=_optional_dict)
     pad_to_multiple_of: int | str | None = attrs.field(default="auto", converter=_padding_multiple_value,
@@ -254,7 +262,7 @@ class GenerationChoice:
     # the backend
     generation_backend: str | None = attrs.field(default=None, validator=_optional_text)
     use_vllm: bool = False
-    vllm_mode: str = attrs.field(default="colocate", validator=one_of(VLLM_MODES))
+    vllm_mode: str = attrs.field(default="colocate", validator=one_of(tuple(TRL_VLLM_MODES)))
     generation_max_batch_size: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
     # the transformers backend
     cache_implementation: str | None = attrs.field(default=None, validator=_optional_text)
@@ -262,27 +270,6 @@ class GenerationChoice:
     use_transformers_paged: bool = False
     transformers_continuous_batching_config: dict | None = attrs.field(default=None, validator=_optional_dict)
     ds3_gather_for_generation: bool = True
-    # the vLLM engine (generation.vllm_colocate); vllm_dtype .. vllm_seed are plait's
-    vllm_gpu_memory_utilization: float = 0.3
-    vllm_tensor_parallel_size: int = 1
-    vllm_max_model_length: int | None = None
-    vllm_enable_sleep_mode: bool = False
-    vllm_model_impl: str = "auto"
-    vllm_dtype: str = "auto"
-    vllm_kv_cache_memory_bytes: int | None = None
-    vllm_enable_prefix_caching: bool = True
-    vllm_engine_kwargs: dict | None = None
-    vllm_seed: int | None = None  # None: the run's seed
-    vllm_structured_outputs_regex: str | None = attrs.field(default=None, validator=_optional_text)
-    # the vLLM server (generation.vllm_server); vllm_server_token is plait's (or PLAIT_VLLM_TOKEN)
-    vllm_server_base_url: str | None = None
-    vllm_server_host: str = "127.0.0.1"
-    vllm_server_port: int = 8000
-    vllm_server_timeout: float = 240.0
-    vllm_group_port: int = 51216
-    vllm_server_token: str | None = None
-    vllm_server_token_file: str | None = None  # a 0600 file holding the token (plait vllm-serve --token-file)
-    vllm_server_request_timeout: float = 1800.0  # seconds any one request may take before the server counts as hung
     # tool calling
     max_tool_calling_iterations: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
     # completion logs
@@ -294,9 +281,9 @@ class GenerationChoice:
 
     def __attrs_post_init__(self) -> None:
         backend = self.generation_backend
-        if self.use_vllm and backend is not None and _short(backend) != f"vllm_{self.vllm_mode}":
+        if self.use_vllm and backend is not None and _short(backend) != TRL_VLLM_MODES[self.vllm_mode]:
             raise PlaitError(f"generation_backend={backend!r} conflicts with use_vllm=True (vllm_mode={self.vllm_mode!r} "
-                             f"means 'vllm_{self.vllm_mode}'); give generation_backend or use_vllm, not both")
+                             f"means {TRL_VLLM_MODES[self.vllm_mode]!r}); give generation_backend or use_vllm, not both")
         if self.log_completions_hub_repo is not None:
             if not self.log_completions:
                 raise PlaitError(f"log_completions_hub_repo={self.log_completions_hub_repo!r} is set but log_completions "
@@ -311,7 +298,7 @@ class GenerationChoice:
         None when they choose none: :func:`resolve_backend` then takes the default for ``sampling``."""
         if self.generation_backend is not None:
             return self.generation_backend
-        return f"vllm_{self.vllm_mode}" if self.use_vllm else None
+        return TRL_VLLM_MODES[self.vllm_mode] if self.use_vllm else None
 
     @property
     def continuous_batching(self) -> bool:

@@ -8,11 +8,12 @@ reference through vLLM's in-place reload, and the prefix cache is reset. Complet
 with vLLM's per-token log-probs, which the trainer compares with its own to correct for the
 engine's numerics (``vllm_importance_sampling_*``).
 
-Config fields (:class:`plait.online.generation.GenerationChoice`; TRL's names): ``vllm_gpu_memory_utilization``,
-``vllm_tensor_parallel_size``, ``vllm_max_model_length``, ``vllm_enable_sleep_mode``,
-``vllm_model_impl``, and plait's ``vllm_dtype``, ``vllm_kv_cache_memory_bytes``,
-``vllm_enable_prefix_caching``, ``vllm_engine_kwargs``, ``vllm_seed``; ``vllm_structured_outputs_regex``
-reaches each request's sampling options.
+Its options (:class:`VLLMColocateParams`) are fields of every online method's Config as ``vllm_<option>``:
+TRL's ``vllm_gpu_memory_utilization``, ``vllm_tensor_parallel_size``, ``vllm_max_model_length``,
+``vllm_enable_sleep_mode``, ``vllm_model_impl``, and plait's ``vllm_dtype``, ``vllm_kv_cache_memory_bytes``,
+``vllm_enable_prefix_caching``, ``vllm_engine_kwargs``, ``vllm_seed``. The class is published under the
+``plait.generation_options`` entry-point group for that (:func:`plait.engine.config.contributed_fields`).
+``vllm_structured_outputs_regex`` reaches each request's sampling options.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class VLLMColocateParams:
     model_impl: str = "auto"
     kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive_int))
     enable_prefix_caching: bool = True
-    seed: int = 0
+    seed: int | None = None  # None: the run's seed
     engine_kwargs: dict = attrs.field(factory=dict)
 
 
@@ -90,7 +91,7 @@ class VLLMColocateBackend(GenerationBackend):
         p = self.params
         options = dict(dtype=p.dtype, max_model_len=p.max_model_length, gpu_memory_utilization=p.gpu_memory_utilization,
                        tensor_parallel_size=p.tensor_parallel_size, enable_sleep_mode=p.enable_sleep_mode,
-                       model_impl=p.model_impl, enable_prefix_caching=p.enable_prefix_caching, seed=p.seed,
+                       model_impl=p.model_impl, enable_prefix_caching=p.enable_prefix_caching, seed=p.seed or 0,
                        skip_tokenizer_init=True)  # prompts arrive as ids and the trainer's tokenizer decodes
         if p.kv_cache_memory_bytes is not None:
             options["kv_cache_memory_bytes"] = p.kv_cache_memory_bytes
@@ -176,9 +177,8 @@ def check_config(args) -> VLLMColocateParams:
 def vllm_colocate_backend(model, processing_class, args=None) -> VLLMColocateBackend:
     """Factory registered as ``generation.vllm_colocate``; options from the config's ``vllm_*`` fields."""
     params = check_config(args) if args is not None else VLLMColocateParams()
-    seed = getattr(getattr(args, "params", args), "vllm_seed", None)
-    if args is not None and seed is None and isinstance(getattr(args, "seed", None), int):
-        params = attrs.evolve(params, seed=args.seed)
+    if params.seed is None:
+        params = attrs.evolve(params, seed=args.seed if isinstance(getattr(args, "seed", None), int) else 0)
     return VLLMColocateBackend(model, processing_class, params)
 
 

@@ -13,7 +13,8 @@ Every request carries the server's token: ``vllm_server_token``, else the file
 ``vllm_server_token_file``, else PLAIT_VLLM_TOKEN, else (for a server on loopback) the file a
 ``plait vllm-serve`` on this machine generated for its port (:func:`~._vllm.token_path`).
 
-Config fields (:class:`plait.online.generation.GenerationChoice`; TRL's names): ``vllm_server_base_url``,
+Its options (:class:`VLLMServerParams`, published under the ``plait.generation_options`` entry-point group) are
+fields of every online method's Config as ``vllm_<option>``; TRL's names: ``vllm_server_base_url``,
 ``vllm_server_host``, ``vllm_server_port``, ``vllm_server_timeout``, ``vllm_group_port``, and
 plait's ``vllm_server_token``, ``vllm_server_token_file`` and ``vllm_server_request_timeout``;
 ``vllm_structured_outputs_regex`` travels with each request's sampling options.

@@ -75,7 +75,6 @@ class OnlineDPOParams(OnlineParams):
     missing_eos_penalty: float | None = None
     reward_model_path: str | None = None
     judge: Any = None
-    vllm_gpu_memory_utilization: float = 0.55
 
     def __attrs_post_init__(self) -> None:
         if self.max_completion_length is None:
@@ -104,7 +103,8 @@ class OnlineDPOParams(OnlineParams):
 
 OnlineDPOConfig = method_config(
     "OnlineDPOConfig", OnlineDPOParams,
-    defaults={"learning_rate": 5e-7, "logging_steps": 10, "remove_unused_columns": False, "disable_dropout": True},
+    defaults={"learning_rate": 5e-7, "logging_steps": 10, "remove_unused_columns": False, "disable_dropout": True,
+              "vllm_gpu_memory_utilization": 0.55},  # TRL's OnlineDPOConfig default for the colocated engine
 )
 
 
