@@ -175,20 +175,20 @@ def plugin_options(group: str) -> tuple[type, ...]:
     return tuple(classes)
 
 
-def contributed_fields(params: type) -> dict[str, tuple[Any, Any, type]]:
+def contributed_fields(params: type) -> dict[str, tuple[attrs.Attribute, type]]:
     """Config fields contributed by plugins to a method whose ``params`` declare ``plugin_options_group``:
-    ``config_prefix + option`` -> (annotation, default, the options class). Two classes may share a field
-    only with one type and default."""
-    fields: dict[str, tuple[Any, Any, type]] = {}
+    ``config_prefix + option`` -> (the option's attrs attribute, its options class). Two classes may share a
+    field only with one type and default."""
+    fields: dict[str, tuple[attrs.Attribute, type]] = {}
     group = getattr(params, "plugin_options_group", None)
     for options in plugin_options(group) if group else ():
         prefix = getattr(options, "config_prefix", "")
         for attribute in attrs.fields(options):
-            name, annotation, default = f"{prefix}{attribute.name}", attribute.type or Any, attribute.default
-            if name in fields and fields[name][:2] != (annotation, default):
-                raise PlaitError(f"config field {name!r} is declared by {fields[name][2].__qualname__} and by "
+            name = f"{prefix}{attribute.name}"
+            if name in fields and (fields[name][0].type, fields[name][0].default) != (attribute.type, attribute.default):
+                raise PlaitError(f"config field {name!r} is declared by {fields[name][1].__qualname__} and by "
                                  f"{options.__qualname__} with different types or defaults; rename one")
-            fields.setdefault(name, (annotation, default, options))
+            fields.setdefault(name, (attribute, options))
     return fields
 
 
@@ -201,9 +201,10 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
     """
     fields = [(a.name, a.type or Any, _field_spec(a.default, a.metadata)) for a in attrs.fields(params)]
     own_params = {a.name for a in attrs.fields(params)}
-    for field_name, (annotation, default, _) in contributed_fields(params).items():
+    for field_name, (attribute, _) in contributed_fields(params).items():
         if field_name not in own_params:  # the method's own field wins
-            fields.append((field_name, annotation, _field_spec(defaults.get(field_name, default))))
+            fields.append((field_name, attribute.type or Any,
+                           _field_spec(defaults.get(field_name, attribute.default), attribute.metadata)))
     # How models and the tokenizer load (TRL's fields); a method's `defaults` may change a default.
     for attribute in attrs.fields(attrs.resolve_types(ModelLoading)):
         fields.append((attribute.name, attribute.type, dataclasses.field(default=defaults.get(attribute.name, attribute.default))))

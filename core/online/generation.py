@@ -229,13 +229,11 @@ class GenerationChoice:
       are rendered (e.g. ``{"enable_thinking": False}``); ``pad_to_multiple_of`` pads prompts (left)
       and completions (right) to a multiple, in generation and in training tensors ("auto": 128 on
       AWS Neuron, none elsewhere);
-    * the transformers backend: ``cache_implementation`` (``model.generate``'s KV cache),
-      ``use_transformers_continuous_batching`` (``use_transformers_paged`` is TRL's older name) with
-      ``transformers_continuous_batching_config``, ``generation_max_batch_size``,
-      ``ds3_gather_for_generation`` (DeepSpeed ZeRO-3 only);
-    * the vLLM backends: the ``vllm_*`` engine and server fields, declared by each backend's own options
-      class (``VLLMColocateParams``, ``VLLMServerParams``) and added to the Config from there (docs/vllm.md);
-      a third-party backend's options become Config fields, YAML keys and flags the same way;
+    * each backend's own fields, declared by its options class and added to the Config from there
+      (:attr:`plugin_options_group`): the transformers backend's ``cache_implementation``,
+      ``use_transformers_continuous_batching`` ... (``TransformersGenerationParams``), the vLLM backends'
+      ``vllm_*`` engine and server fields (``VLLMColocateParams``, ``VLLMServerParams``; docs/vllm.md).
+      A third-party backend's options become Config fields, YAML keys and flags the same way;
     * ``max_tool_calling_iterations``: how many times generation continues after tool results
       (:mod:`plait.online.rollouts`; None: until the length budget ends);
     * completion logs: ``log_completions`` prints (and sends to wandb) a table of each rollout's
@@ -263,13 +261,6 @@ class GenerationChoice:
     generation_backend: str | None = attrs.field(default=None, validator=_optional_text)
     use_vllm: bool = False
     vllm_mode: str = attrs.field(default="colocate", validator=one_of(tuple(TRL_VLLM_MODES)))
-    generation_max_batch_size: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
-    # the transformers backend
-    cache_implementation: str | None = attrs.field(default=None, validator=_optional_text)
-    use_transformers_continuous_batching: bool = False
-    use_transformers_paged: bool = False
-    transformers_continuous_batching_config: dict | None = attrs.field(default=None, validator=_optional_dict)
-    ds3_gather_for_generation: bool = True
     # tool calling
     max_tool_calling_iterations: int | None = attrs.field(default=None, validator=_optional_int_at_least(1))
     # completion logs
@@ -299,10 +290,6 @@ class GenerationChoice:
         if self.generation_backend is not None:
             return self.generation_backend
         return TRL_VLLM_MODES[self.vllm_mode] if self.use_vllm else None
-
-    @property
-    def continuous_batching(self) -> bool:
-        return self.use_transformers_continuous_batching or self.use_transformers_paged
 
     def sampling(self, max_completion_length: int | None = None, temperature: float | None = None) -> SamplingParams:
         """The :class:`SamplingParams` of one rollout; the length and temperature default to the

@@ -61,9 +61,8 @@ def on_cpu() -> bool:
 
 def refuse_transformers_options(args, who: str) -> None:
     """The vLLM backends cannot honour the transformers backend's continuous batching: say so."""
-    p = getattr(args, "params", args)
-    for name in ("use_transformers_continuous_batching", "use_transformers_paged"):
-        if getattr(p, name, False):
+    for name in ("use_transformers_continuous_batching", "use_transformers_paged"):  # the transformers backend's fields
+        if getattr(args, name, False):
             raise PlaitError(f"{name}=True applies to generation.transformers, but the config chooses {who}; "
                              f"drop {name} or the vLLM backend (use_vllm / generation_backend)")
 

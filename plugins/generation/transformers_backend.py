@@ -7,11 +7,12 @@ batch (to a multiple of ``pad_to_multiple_of`` when set); each row stops at an E
 tokens sampled after it (padding) are cut off, so completion ids come back without padding.
 Dropout is off while sampling and the model's training mode is restored afterwards.
 
-Config fields it reads (:class:`plait.online.generation.GenerationChoice`): ``generation_max_batch_size``
+Its own Config fields (:class:`TransformersGenerationParams`): ``generation_max_batch_size``
 (rows per ``generate`` call), ``cache_implementation`` (the KV cache ``generate`` builds, e.g.
 "static"), ``pad_to_multiple_of``, and ``use_transformers_continuous_batching`` (or TRL's older
 ``use_transformers_paged``): then every prompt goes to transformers' continuous-batching engine
-(``model.generate_batch``, a paged KV cache) with ``transformers_continuous_batching_config``. That
+(``model.generate_batch``, a paged KV cache) with ``transformers_continuous_batching_config``; it also reads the
+shared ``pad_to_multiple_of`` (:class:`plait.online.generation.GenerationChoice`). That
 engine drops logits processors it does not support, so a ``repetition_penalty`` other than 1 is
 refused with it; on CPU, where transformers would size its cache from the machine's whole memory,
 the cache is sized for the call unless the config sizes it. Guided decoding
@@ -23,7 +24,9 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from typing import ClassVar
 
+import attrs
 import torch
 from accelerate.utils import extract_model_from_parallel
 from transformers import GenerationConfig
@@ -38,11 +41,43 @@ from plait.online.generation import (
     GenerationBackend,
     Generations,
     SamplingParams,
+    backend_options,
     encode_prompts,
     eos_token_ids,
 )
+from plait.params import int_at_least
 
 NAME = "generation.transformers"
+
+
+def _optional(validator):
+    return attrs.validators.optional(validator)
+
+
+@attrs.frozen
+class TransformersGenerationParams:
+    """This backend's options; each is a field of every online method's Config under its own name (TRL's),
+    published under the ``plait.generation_options`` entry-point group. ``generation_max_batch_size`` bounds
+    the rows of one ``generate`` call; ``cache_implementation`` is ``generate``'s KV cache (e.g. "static");
+    ``use_transformers_continuous_batching`` (``use_transformers_paged``: TRL's older name) hands every prompt
+    to transformers' continuous-batching engine with ``transformers_continuous_batching_config``;
+    ``ds3_gather_for_generation`` is accepted for TRL's configs (DeepSpeed ZeRO-3 only)."""
+
+    config_prefix: ClassVar[str] = ""
+    generation_max_batch_size: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
+    cache_implementation: str | None = attrs.field(default=None, validator=_optional(attrs.validators.min_len(1)))
+    use_transformers_continuous_batching: bool = False
+    use_transformers_paged: bool = False
+    transformers_continuous_batching_config: dict | None = attrs.field(
+        default=None, validator=_optional(attrs.validators.instance_of(dict)))
+    ds3_gather_for_generation: bool = True
+
+    @property
+    def continuous_batching(self) -> dict | None:
+        """The ``ContinuousBatchingConfig`` options when continuous batching is on, else None."""
+        if self.use_transformers_continuous_batching or self.use_transformers_paged:
+            return dict(self.transformers_continuous_batching_config or {})
+        return None
 CACHE_SIZE_FIELDS = ("num_blocks", "max_batch_tokens", "max_memory_percent")  # any of them: the user sizes the cache
 logger = logging.getLogger("plait")
 
@@ -186,19 +221,19 @@ def _no_regex(regex: str) -> str:
             "regex; use a vLLM backend (use_vllm=True) or drop vllm_structured_outputs_regex")
 
 
-def check_config(args) -> None:
-    """Refuse, before any model loads, what this backend cannot honour."""
+def check_config(args) -> TransformersGenerationParams:
+    """This backend's options from a method config, refusing, before any model loads, what it cannot honour."""
+    options = backend_options(TransformersGenerationParams, args, NAME)
     p = getattr(args, "params", args)
     regex = getattr(p, "vllm_structured_outputs_regex", None)
     if regex is not None:
         raise PlaitError(_no_regex(regex))
-    cache = getattr(p, "cache_implementation", None)
-    if cache is not None:
+    if options.cache_implementation is not None:
         try:
-            GenerationConfig(cache_implementation=cache)
+            GenerationConfig(cache_implementation=options.cache_implementation)
         except ValueError as err:
-            raise PlaitError(f"cache_implementation={cache!r}: {str(err).splitlines()[0]}") from None
-    if _continuous_batching(p) is not None:
+            raise PlaitError(f"cache_implementation={options.cache_implementation!r}: {str(err).splitlines()[0]}") from None
+    if options.continuous_batching is not None:
         from transformers.generation import ContinuousBatchingConfig
 
         if getattr(p, "repetition_penalty", 1.0) != 1.0:
@@ -206,19 +241,13 @@ def check_config(args) -> None:
                              "batching (it drops that logits processor); set repetition_penalty=1.0 or "
                              "use_transformers_continuous_batching=False")
         try:
-            ContinuousBatchingConfig(**_continuous_batching(p))
+            ContinuousBatchingConfig(**options.continuous_batching)
         except (TypeError, ValueError) as err:
-            raise PlaitError(f"transformers_continuous_batching_config={p.transformers_continuous_batching_config!r}: "
+            raise PlaitError(f"transformers_continuous_batching_config={options.transformers_continuous_batching_config!r}: "
                              f"{str(err).splitlines()[0]}") from None
-    if getattr(p, "use_transformers_paged", False):
+    if options.use_transformers_paged:
         _warn_paged_once()
-
-
-def _continuous_batching(p) -> dict | None:
-    """The ``ContinuousBatchingConfig`` options when continuous batching is on, else None."""
-    if getattr(p, "use_transformers_continuous_batching", False) or getattr(p, "use_transformers_paged", False):
-        return dict(getattr(p, "transformers_continuous_batching_config", None) or {})
-    return None
+    return options
 
 
 @functools.cache
@@ -231,14 +260,12 @@ def transformers_backend(model, processing_class, args=None) -> TransformersBack
     """Factory registered as ``generation.transformers``; options from the config's fields when given."""
     if args is None:
         return TransformersBackend(model, processing_class)
-    check_config(args)
-    p = getattr(args, "params", args)
+    options = check_config(args)
     device = next(extract_model_from_parallel(model).parameters()).device
     return TransformersBackend(
-        model, processing_class, getattr(p, "generation_max_batch_size", None),
-        cache_implementation=getattr(p, "cache_implementation", None),
-        pad_to_multiple_of=check_multiple(getattr(p, "pad_to_multiple_of", None), device.type),
-        continuous_batching=_continuous_batching(p),
+        model, processing_class, options.generation_max_batch_size, cache_implementation=options.cache_implementation,
+        pad_to_multiple_of=check_multiple(getattr(getattr(args, "params", args), "pad_to_multiple_of", None), device.type),
+        continuous_batching=options.continuous_batching,
     )
 
 
@@ -247,5 +274,5 @@ transformers_backend.default_for = SAMPLING  # a config naming no backend gets t
 
 @hookimpl
 def register_generation_backends(register):
-    register(NAME, transformers_backend, check=check_config, images=True,
+    register(NAME, transformers_backend, params=TransformersGenerationParams, check=check_config, images=True,
              doc="Sample with the policy itself via model.generate (no weight copies)")
