@@ -5,6 +5,7 @@ vLLM needed); sampling options on the real transformers backend and the tiny mod
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -20,11 +21,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import plait
 from plait import hookimpl, make_plugins
+from plait.engine.config import contributed_fields
 from plait.engine.layout import check_multiple
 from plait.errors import PlaitError
 from plait.manager import default_plugins
 from plait.online.buffer import pack, split_rows
-from plait.online.generation import GenerationBackend, SamplingParams
+from plait.online.generation import GenerationBackend, GenerationChoice, SamplingParams
 from plait.online.importance_sampling import importance_weights
 from plait.plugins.generation import transformers_backend, vllm_colocate, vllm_server
 from plait.plugins.generation._vllm import vllm_sampling
@@ -520,3 +522,14 @@ def test_a_third_party_backend_owns_its_config_fields(tmp_path):
                              "report_to='none', echo_repeat=2).echo_repeat)"], capture_output=True, text=True,
                             env=env, timeout=120)
     assert python.stdout.strip() == "2", python.stderr[-2000:]
+
+
+def test_every_generation_field_has_a_one_line_description():
+    """`plait grpo --help` describes each field: the mixin's and every installed backend's (their field_help)."""
+    fields = {f.name: f for f in dataclasses.fields(plait.GRPOConfig)}
+    generation = [a.name for a in attrs.fields(GenerationChoice)]
+    backends = list(contributed_fields(plait.GRPOConfig.params_class))
+    assert "vllm_gpu_memory_utilization" in backends and "cache_implementation" in backends
+    for name in generation + backends:
+        text = fields[name].metadata.get("help", "")
+        assert text and "\n" not in text and len(text) < 120, (name, text)

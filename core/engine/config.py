@@ -18,7 +18,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import attrs
 import torch
@@ -138,6 +138,16 @@ class ModelLoading:
       pixels, so fewer image tokens); refused for a processor without it.
     """
 
+    field_help: ClassVar[dict[str, str]] = {
+        "trust_remote_code": "run the code a model folder names in its auto_map (every from_pretrained of the run)",
+        "pad_token": "replace the tokenizer's padding token (a token of the vocabulary)",
+        "eos_token": "replace the tokenizer's EOS: the completion terminator, where generation stops",
+        "chat_template_path": "a Jinja file or tokenizer folder whose chat template replaces the tokenizer's",
+        "disable_dropout": "set every dropout of the policy and the models beside it to p=0",
+        "router_aux_loss_coef": "weight of a Mixture-of-Experts load-balancing loss (null: the model's own; 0: off)",
+        "activation_offloading": "keep activations saved for backward in CPU memory (on an accelerator)",
+        "max_pixels": "a vision-language model's pixel budget per image (Qwen2-VL's family)",
+    }
     trust_remote_code: bool = False
     pad_token: str | None = attrs.field(default=None, validator=_optional_text)
     eos_token: str | None = attrs.field(default=None, validator=_optional_text)
@@ -148,7 +158,17 @@ class ModelLoading:
     max_pixels: int | None = attrs.field(default=None, validator=attrs.validators.optional(positive))
 
 
-def _field_spec(default: Any, metadata: Mapping[str, Any] | None = None) -> dataclasses.Field:
+def field_help(cls: type) -> dict[str, str]:
+    """One-line descriptions of an attrs class's fields, for ``plait <method> --help``: its ``field_help``
+    mapping (a class variable, so the field lines stay short), merged over its bases'."""
+    merged: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        merged.update(vars(klass).get("field_help", {}))
+    return merged
+
+
+def _field_spec(default: Any, help: str | None = None) -> dataclasses.Field:
+    metadata = {"help": help} if help else None
     if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
         return dataclasses.field(default_factory=default.factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -199,31 +219,38 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
 
     The instance's ``.params`` holds the validated attrs object the method's code reads.
     """
-    fields = [(a.name, a.type or Any, _field_spec(a.default, a.metadata)) for a in attrs.fields(params)]
+    helps = field_help(params)
+    fields = [(a.name, a.type or Any, _field_spec(a.default, helps.get(a.name))) for a in attrs.fields(params)]
     own_params = {a.name for a in attrs.fields(params)}
-    for field_name, (attribute, _) in contributed_fields(params).items():
+    for field_name, (attribute, options) in contributed_fields(params).items():
         if field_name not in own_params:  # the method's own field wins
-            fields.append((field_name, attribute.type or Any,
-                           _field_spec(defaults.get(field_name, attribute.default), attribute.metadata)))
+            fields.append((field_name, attribute.type or Any, _field_spec(defaults.get(field_name, attribute.default),
+                                                                          field_help(options).get(attribute.name))))
     # How models and the tokenizer load (TRL's fields); a method's `defaults` may change a default.
     for attribute in attrs.fields(attrs.resolve_types(ModelLoading)):
-        fields.append((attribute.name, attribute.type, dataclasses.field(default=defaults.get(attribute.name, attribute.default))))
+        fields.append((attribute.name, attribute.type, _field_spec(defaults.get(attribute.name, attribute.default),
+                                                                   field_help(ModelLoading).get(attribute.name))))
     # A chassis field every method shares: the plain (full-logits) log-prob path, for comparison.
-    fields.append(("chunked_logprobs", bool, dataclasses.field(default=True)))
+    fields.append(("chunked_logprobs", bool, _field_spec(True, "log-probs through a chunked LM head, never the full "
+                                                               "[batch, seq, vocab] logits (false: the plain path)")))
     # transformers 5 dropped this field; plait refuses an output_dir holding another run without it
-    fields.append(("overwrite_output_dir", bool, dataclasses.field(default=False)))
+    fields.append(("overwrite_output_dir", bool, _field_spec(False, "train into an output_dir holding another run")))
     # also true or "latest": the newest complete checkpoint in output_dir (plait.engine.run_folder)
-    fields.append(("resume_from_checkpoint", str | bool | None, dataclasses.field(default=None)))
+    fields.append(("resume_from_checkpoint", str | bool | None, _field_spec(
+        None, "a checkpoint folder to resume from, or true/'latest': the newest complete one in output_dir")))
     # What a NaN/inf loss or gradient norm does: stop the run naming the part ("error"), or drop
     # that optimizer step's update and go on ("skip"; the weights stay finite). See PlaitTrainer.
-    fields.append(("on_nonfinite_loss", str, dataclasses.field(default="error")))
+    fields.append(("on_nonfinite_loss", str, _field_spec("error", "a NaN/inf loss or gradient: 'error' stops the "
+                                                                  "run, 'skip' drops that optimizer step")))
     fields += [(n, annotation, dataclasses.field(default=d)) for n, annotation, d in versions.CONFIG_FIELDS]
     own = {f[0] for f in fields}
     inherited = config_fields(TrainingArguments)
     for field_name, value in {"bf16": None, "fp16": None, "dataloader_pin_memory": None, **defaults}.items():
         if field_name not in own:
             factory = (lambda v=value: list(v)) if isinstance(value, list) else None
-            spec = dataclasses.field(default_factory=factory) if factory else dataclasses.field(default=value)
+            metadata = inherited[field_name].metadata  # its help text
+            spec = dataclasses.field(default_factory=factory, metadata=metadata) if factory else \
+                dataclasses.field(default=value, metadata=metadata)
             annotation = inherited[field_name].type
             fields.append((field_name, annotation | None if value is None else annotation, spec))
 

@@ -245,6 +245,25 @@ class GenerationChoice:
     # Fields of one backend (vllm_gpu_memory_utilization, vllm_server_port ...) are that backend's: its options
     # class, published under this entry-point group, adds them to every Config (plait.engine.config.contributed_fields).
     plugin_options_group: ClassVar[str] = "plait.generation_options"
+    field_help: ClassVar[dict[str, str]] = {
+        "top_p": "nucleus sampling: keep the smallest set of tokens whose probabilities sum to top_p",
+        "top_k": "sample among the k most likely tokens (0 or null: no top-k filter)",
+        "min_p": "drop tokens less likely than min_p times the most likely one (null: off)",
+        "repetition_penalty": "divide the logits of tokens already present by this (1.0: off)",
+        "generation_kwargs": "extra options handed as they are to the generation backend",
+        "vllm_structured_outputs_regex": "guided decoding: every completion matches this regex",
+        "chat_template_kwargs": "keyword arguments for apply_chat_template, e.g. {enable_thinking: false}",
+        "pad_to_multiple_of": "pad prompts and completions to a multiple of this ('auto': 128 on AWS Neuron only)",
+        "generation_backend": "the registered backend that samples (transformers, vllm_colocate, vllm_server, ...)",
+        "use_vllm": "sample with vLLM (TRL's switch; vllm_mode picks the engine's place)",
+        "vllm_mode": "with use_vllm: 'colocate' (an engine in this process) or 'server' (plait vllm-serve)",
+        "max_tool_calling_iterations": "times generation resumes after tool results (null: until the length budget ends)",
+        "log_completions": "print (and send to wandb) a table of each rollout's completions",
+        "num_completions_to_print": "rows of the completions table printed (null: all)",
+        "log_unique_prompts": "one row per prompt in the completions table",
+        "log_multimodal": "kept for TRL's configs (plait's completion tables are text)",
+        "log_completions_hub_repo": "kept for TRL's configs; nothing is pushed to the Hub",
+    }
     # sampling
     top_p: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0, low_open=True))
     top_k: int | None = attrs.field(default=0, validator=_optional_int_at_least(0))

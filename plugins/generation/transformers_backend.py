@@ -64,6 +64,14 @@ class TransformersGenerationParams:
     ``ds3_gather_for_generation`` is accepted for TRL's configs (DeepSpeed ZeRO-3 only)."""
 
     config_prefix: ClassVar[str] = ""
+    field_help: ClassVar[dict[str, str]] = {
+        "generation_max_batch_size": "most rows in one generate call (null: every row at once)",
+        "cache_implementation": "the KV cache generate builds, e.g. 'static'",
+        "use_transformers_continuous_batching": "sample through transformers' continuous-batching engine (paged KV cache)",
+        "use_transformers_paged": "TRL's older name of use_transformers_continuous_batching",
+        "transformers_continuous_batching_config": "ContinuousBatchingConfig options of that engine",
+        "ds3_gather_for_generation": "kept for TRL's configs (DeepSpeed ZeRO-3 only)",
+    }
     generation_max_batch_size: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
     cache_implementation: str | None = attrs.field(default=None, validator=_optional(attrs.validators.min_len(1)))
     use_transformers_continuous_batching: bool = False

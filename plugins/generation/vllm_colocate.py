@@ -55,6 +55,18 @@ class VLLMColocateParams:
     A method config gives each as ``vllm_<name>``."""
 
     config_prefix: ClassVar[str] = "vllm_"
+    field_help: ClassVar[dict[str, str]] = {
+        "gpu_memory_utilization": "share of the GPU's memory the colocated vLLM engine may take",
+        "tensor_parallel_size": "GPUs one vLLM engine spans",
+        "max_model_length": "the engine's longest prompt + completion (null: the model's)",
+        "dtype": "the engine's dtype ('auto': vLLM's choice)",
+        "enable_sleep_mode": "free the engine's memory while the policy trains (GPU only)",
+        "model_impl": "'auto', 'vllm' or 'transformers': whose implementation of the architecture vLLM runs",
+        "kv_cache_memory_bytes": "size the engine's KV cache in bytes (CPU: instead of VLLM_CPU_KVCACHE_SPACE)",
+        "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+        "seed": "the engine's sampling seed (null: the run's seed)",
+        "engine_kwargs": "more vllm.LLM keyword arguments",
+    }
     gpu_memory_utilization: float = attrs.field(default=0.3, validator=in_range(0.0, 1.0, low_open=True))
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive_int)
     max_model_length: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive_int))

@@ -80,6 +80,16 @@ class VLLMServerParams:
     """Where the server is and how long to wait for it; a method config gives each as ``vllm_<name>``."""
 
     config_prefix: ClassVar[str] = "vllm_"
+    field_help: ClassVar[dict[str, str]] = {
+        "server_base_url": "the plait vllm-serve server's URL, e.g. http://10.0.0.5:8000 (else host and port)",
+        "server_host": "the server's host",
+        "server_port": "the server's port",
+        "server_timeout": "seconds to wait for the server's /health",
+        "group_port": "port of the weight-sync store on the server",
+        "server_token": "the server's token (else server_token_file or PLAIT_VLLM_TOKEN)",
+        "server_token_file": "a file holding the server's token (mode 0600)",
+        "server_request_timeout": "seconds one request may take before the server counts as hung",
+    }
     server_base_url: str | None = None  # e.g. http://10.0.0.5:8000; else host and port
     server_host: str = "127.0.0.1"
     server_port: int = attrs.field(default=8000, validator=_port)
