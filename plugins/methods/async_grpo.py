@@ -45,7 +45,7 @@ import signal
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -78,6 +78,15 @@ class AsyncGRPOParams(GRPOParams):
     batch, ``weight_sync_timeout``: seconds a weight push may wait for the worker, before either
     gives up naming the worker.
     """
+    field_help: ClassVar[dict[str, str]] = {
+        "max_completion_length": "most tokens sampled per completion",
+        "max_staleness": "optimizer steps a sample may lag behind the weights it trains (older ones are regenerated)",
+        "weight_sync_steps": "optimizer steps between weight pushes to the rollout worker",
+        "max_inflight_tasks": "completions requested ahead of the trainer (-1: max_staleness steps' worth)",
+        "queue_maxsize": "most finished rollouts waiting for the trainer",
+        "request_timeout": "seconds the trainer waits for one generation batch",
+        "weight_sync_timeout": "seconds a weight push may wait for the worker",
+    }
 
     max_completion_length: int = attrs.field(default=2048, validator=int_at_least(1))
     max_staleness: int = attrs.field(default=4, validator=int_at_least(0))

@@ -16,6 +16,8 @@ share the student's vocabulary; that is checked when the trainer is built.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 import torch
 from transformers import AutoTokenizer, PreTrainedModel
@@ -50,6 +52,13 @@ class TeacherParams(RolloutParams):
     ``teacher_model_revision`` is the hub revision (branch, tag or commit) the teacher and its
     tokenizer are loaded at.
     """
+    field_help: ClassVar[dict[str, str]] = {
+        "teacher_model_name_or_path": "the teacher: a local folder or hub id",
+        "teacher_model_init_kwargs": "from_pretrained keyword arguments for the teacher",
+        "teacher_model_revision": "the hub revision (branch, tag or commit) of the teacher",
+        "beta": "the divergence: 0 forward KL, 1 reverse KL, between them the generalised JSD",
+        "temperature": "sampling temperature, and both models' softmax temperature in the loss",
+    }
 
     default_loss = "jsd"
     teacher_model_name_or_path: str | None = None
@@ -63,6 +72,9 @@ class TeacherParams(RolloutParams):
 class DistillParams(TeacherParams):
     """On-policy distillation's knobs (TRL's DistillationConfig): ``temperature`` applies to
     sampling and to both models' distributions in the loss."""
+    field_help: ClassVar[dict[str, str]] = {
+        "max_completion_length": "most tokens the student samples per completion",
+    }
 
     max_completion_length: int = attrs.field(default=512, validator=_positive_int)
 

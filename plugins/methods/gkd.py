@@ -18,6 +18,8 @@ model's [B, T, V] logits. ``lmbda=1`` with ``temperature`` 1 is ``distill`` itse
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import random
 
 import attrs
@@ -44,6 +46,14 @@ class GKDParams(TeacherParams):
     completion; ``max_length`` bounds prompt + dataset completion (SFT's field; as TRL's GKD, longer rows keep
     their end).
     """
+    field_help: ClassVar[dict[str, str]] = {
+        "beta": "the divergence: 0 forward KL, 1 reverse KL, between them the generalised JSD",
+        "temperature": "sampling temperature, and both models' softmax temperature in the loss",
+        "lmbda": "fraction of batches whose completions the student samples (on-policy)",
+        "seq_kd": "the teacher samples the other batches' completions (else they are the dataset's)",
+        "max_new_tokens": "most tokens sampled per completion",
+        "max_length": "most tokens of prompt + dataset completion (longer rows keep their end)",
+    }
 
     beta: float = attrs.field(default=0.5, validator=in_range(0.0, 1.0))
     temperature: float = attrs.field(default=0.9, validator=positive)

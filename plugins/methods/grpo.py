@@ -14,7 +14,7 @@ TRL's entropy fields map onto losses of the same family: ``entropy_coef`` ≠ 0 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -64,6 +64,28 @@ class GRPOParams(OnlineParams):
     from the sampler. ``cast_lm_head_to_fp32`` projects the output layer in float32 when computing
     log-probs and entropies (policy and reference), whatever the autocast.
     """
+    field_help: ClassVar[dict[str, str]] = {
+        "scale_rewards": "the advantage's scale: 'group' std, 'batch' std or 'none' (true: 'group')",
+        "multi_objective_aggregation": "several rewards: 'sum_then_normalize', or 'normalize_then_sum' (GDPO)",
+        "advantage_estimator": "a registered advantage estimator, by name or {name, ...params} (plait list advantages)",
+        "importance_sampling_level": "importance ratios per 'token' or per 'sequence' (GSPO); null: each loss's own",
+        "use_bias_correction_kl": "weight the beta*KL term by the importance ratio",
+        "sapo_temperature_pos": "SAPO's gate temperature for positive advantages",
+        "sapo_temperature_neg": "SAPO's gate temperature for negative advantages",
+        "vespo_k_pos": "VESPO's shape k for positive advantages",
+        "vespo_lambda_pos": "VESPO's scale lambda for positive advantages",
+        "vespo_k_neg": "VESPO's shape k for negative advantages",
+        "vespo_lambda_neg": "VESPO's scale lambda for negative advantages",
+        "top_entropy_quantile": "train only the top-rho tokens by entropy (1.0: every token)",
+        "entropy_coef": "entropy bonus coefficient c: the loss gains -c times the mean entropy (0: off)",
+        "use_adaptive_entropy": "move entropy_coef each step toward entropy_target (adaptive entropy bonus)",
+        "entropy_target": "with use_adaptive_entropy: the bonus applies while the entropy is at most this",
+        "entropy_coef_delta": "with use_adaptive_entropy: the coefficient's change per optimizer step",
+        "entropy_coef_min": "with use_adaptive_entropy: the coefficient's lower bound",
+        "entropy_coef_max": "with use_adaptive_entropy: the coefficient's upper bound",
+        "off_policy_mask_threshold": "drop negative-advantage sequences that drifted more than this from the sampler",
+        "cast_lm_head_to_fp32": "compute the output layer in float32 for log-probs and entropies",
+    }
 
     default_loss = "dapo"
     scale_rewards: str | bool = "group"

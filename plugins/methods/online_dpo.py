@@ -20,7 +20,7 @@ TRL took a ``judge``; plait takes both: ``reward_funcs`` (or ``reward_model_path
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import attrs
 import torch
@@ -64,6 +64,17 @@ class OnlineDPOParams(OnlineParams):
     ``reward_model_path`` is a reward-model folder judged by ``judge.reward_model``.
     ``max_completion_length`` is the online base's name for ``max_new_tokens`` (give one of them).
     """
+    field_help: ClassVar[dict[str, str]] = {
+        "num_generations": "completions per prompt: a pair",
+        "max_new_tokens": "most tokens sampled per completion",
+        "max_completion_length": "the online methods' name for max_new_tokens (give one of them)",
+        "max_length": "most tokens of prompt + completion in the loss (the prompt's start is dropped beyond it)",
+        "temperature": "sampling temperature",
+        "beta": "DPO's beta; a list gives one value per epoch (the last one kept after)",
+        "missing_eos_penalty": "subtracted from the score of a completion that never ends (null: none)",
+        "reward_model_path": "a reward-model folder that judges the pairs (judge.reward_model)",
+        "judge": "a registered judge by name or {name, ...params} (plait list judges)",
+    }
 
     default_loss = "sigmoid"
     num_generations: int = attrs.field(default=PAIR, validator=_two)

@@ -12,6 +12,8 @@ batch with ``normalize_advantages``), and the loss is the sequence-level PPO cli
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 import torch
 
@@ -36,6 +38,12 @@ def _clip_range(instance, attribute, value) -> None:
 @attrs.define
 class RLOOParams(OnlineParams):
     """RLOO's knobs (plus the shared online ones); names and defaults follow TRL's RLOOConfig."""
+    field_help: ClassVar[dict[str, str]] = {
+        "num_generations": "completions sampled per prompt (the leave-one-out baseline needs 2 or more)",
+        "beta": "weight of the KL penalty to the reference, folded into the reward",
+        "normalize_advantages": "z-score the advantages over the batch",
+        "reward_clip_range": "[low, high] clip of each KL-penalised reward, before the baseline (null: none)",
+    }
 
     default_loss = "rloo.clip"
     num_generations: int = attrs.field(default=2, validator=OnlineParams.__attrs_attrs__.num_generations.validator)
