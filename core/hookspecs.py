@@ -81,9 +81,17 @@ def flag(default: bool = False) -> Any:
     return attrs.field(default=default, validator=instance_of(bool))
 
 
-@attrs.frozen(eq=False)  # Options' equality: a dict of the declared options compares equal
+@attrs.frozen(eq=False)  # Options' equality and hash: values may be unhashable
 class LossOptions(Options):
-    """What a loss declares: the batch it reads, its output's shape, and properties methods and the kit rely on."""
+    """What a loss declares: the batch it reads, its output's shape, and properties methods and the kit rely on.
+
+    ``metrics``: ``(batch, params) -> {name: tensor}``, what the loss adds to its family's logged metrics,
+    computed from the same batch (one value per example, or already reduced). The method logs the mean
+    of each (:meth:`plait.engine.objective.Objective.metrics`), and of its family's default metrics
+    (DPO's and CPO's rewards/* and logps/*, KTO's kl, GRPO's entropy and clip fractions) under every name
+    no loss gives (the first composed loss to give a name wins). A loss that declares none logs its
+    family's default and, when composed with others, its value as ``loss/<name>``.
+    """
 
     consumes: type | None = attrs.field(default=None, validator=optional(instance_of(type)))
     output: str | None = attrs.field(default=None, validator=optional(in_(("example", "token", "scalar"))))

@@ -2,7 +2,8 @@
 
 They read the policy's own log-probs in a :class:`plait.engine.batches.PreferenceLogps`, never the
 reference's: ℓ = log π(y|x), summed over the completion or averaged per token (ā = ℓ/|y|).
-Each registers ``metrics=`` (what TRL 1.16 logs for it, per pair), which the method averages.
+Each registers ``metrics=`` (what TRL 1.16 logs for it, per pair: its shaped rewards in place of the
+preference family's default β·log π), which the objective averages.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from plait.engine.batches import PreferenceLogps
+from plait.engine.batches import PreferenceLogps, preference_metrics
 
 
 def policy_logps(batch: PreferenceLogps, averaged: bool) -> tuple[Tensor, Tensor]:
@@ -50,7 +51,6 @@ def shaped_logps(batch: PreferenceLogps, p, averaged: bool) -> tuple[tuple[Tenso
 
 
 def reward_metrics(batch: PreferenceLogps, p, *, averaged: bool) -> dict[str, Tensor]:
-    """TRL 1.16's metrics of a CPO loss per pair: rewards/* = β·u, logps/* = ℓ, detached."""
-    (logp_c, logp_r), (u_c, u_r) = shaped_logps(batch, p, averaged)
-    return {"rewards/chosen": p.beta * u_c.detach(), "rewards/rejected": p.beta * u_r.detach(),
-            "logps/chosen": logp_c.detach(), "logps/rejected": logp_r.detach()}
+    """TRL 1.16's metrics of a CPO loss per pair: rewards/* of β·u, logps/* = ℓ."""
+    logps, (u_c, u_r) = shaped_logps(batch, p, averaged)
+    return preference_metrics((p.beta * u_c, p.beta * u_r), logps)

@@ -44,7 +44,7 @@ def orpo_odds_ratio(batch: PreferenceLogps, p: OddsRatioParams):
 
 
 def metrics(batch: PreferenceLogps, p: OddsRatioParams):
-    ratio = log_odds_ratio(batch).detach()
+    ratio = log_odds_ratio(batch)
     return {**reward_metrics(batch, p, averaged=True),
             "log_odds_ratio": F.logsigmoid(ratio), "log_odds_chosen": ratio}
 

@@ -2,11 +2,13 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
-from plait import PlaitError
+from plait import PlaitError, hookimpl, make_plugins
+from plait.engine.batches import PreferenceLogps
 from plait.engine.logprobs import token_logprobs
 from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
 from plait.testing.tiny_model import tiny_model_path
@@ -72,6 +74,38 @@ def test_loss_composition_logs_each_part(tmp_path):
     logged = trainer.state.log_history[0]
     assert {"loss/dpo.sigmoid", "loss/dpo.sft", "rewards/accuracies", "logits/chosen"} <= set(logged)
     assert logged["loss"] == pytest.approx(logged["loss/dpo.sigmoid"] + 0.5 * logged["loss/dpo.sft"], rel=1e-4)
+
+
+class ThirdPartyLosses:
+    """DPO losses of another package: one declares no metrics, one adds a metric of its own."""
+
+    @hookimpl
+    def register_losses(self, register):
+        register("dpo.plain", lambda batch, p: -F.logsigmoid(0.1 * batch.margin), consumes=PreferenceLogps)
+        register("dpo.counted", lambda batch, p: batch.margin * 0.0, consumes=PreferenceLogps,
+                 metrics=lambda batch, p: {"counted/pairs": batch.margin.new_full(batch.margin.shape, 1.0).sum(),
+                                           "rewards/chosen": batch.chosen_logps * 0.0})
+
+
+def test_a_third_party_loss_logs_the_dpo_metrics_without_declaring_them(tmp_path):
+    """A loss with sigmoid's formula but no metrics= logs exactly what dpo.sigmoid logs; a loss's own
+    metrics add names (counted/pairs) and win over the family's (rewards/chosen)."""
+    logged = {}
+    for loss in ("sigmoid", "plain", ["plain", "counted"]):
+        args = config(tmp_path / str(loss), loss_type=loss, max_steps=2, logging_steps=1)
+        trainer = DPOTrainer(str(tiny_model_path()), args=args, train_dataset=preference_pairs(WORDS[:16]),
+                             plugins=make_plugins(plugins=[ThirdPartyLosses()]))
+        trainer.train()
+        logged[str(loss)] = trainer.state.log_history[1]
+    names = {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+             "logps/rejected", "logits/chosen", "logits/rejected"}
+    assert {k: v for k, v in logged["plain"].items() if k in names} == \
+        {k: v for k, v in logged["sigmoid"].items() if k in names} and len(names & set(logged["plain"])) == 8
+    assert logged["plain"]["rewards/margins"] != 0.0  # the policy moved after a step: the values say something
+    composed = logged[str(["plain", "counted"])]
+    assert composed["counted/pairs"] == 8.0 and composed["rewards/chosen"] == 0.0
+    assert composed["rewards/rejected"] == logged["plain"]["rewards/rejected"]
+    assert {"loss/dpo.plain", "loss/dpo.counted"} <= set(composed)
 
 
 @pytest.mark.parametrize("overrides, phrase", [

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from plait import hookimpl, make_plugins
-from plait.engine.batches import PolicyTokens, PreferenceLogps, TokenLogps
+from plait.engine.batches import PolicyTokens, PreferenceLogps, TokenLogps, UnpairedLogps
 from plait.engine.objective import Objective, normalise_loss_specs
 from plait.errors import PlaitError
 
 PLUGIN = '''
 import torch
 import plait
-from plait.engine.batches import PolicyTokens, PreferenceLogps, TokenLogps
+from plait.engine.batches import PolicyTokens, PreferenceLogps, TokenLogps, UnpairedLogps
 
 
 def per_example(batch, p):
@@ -177,3 +177,29 @@ def test_the_objective_names_the_part_that_went_nonfinite(plugins):
     assert [t.name for t in built.nonfinite_terms()] == ["dpo.nan"]
     built.reset_watch()
     assert built.nonfinite_terms() == []
+
+
+def test_metrics_are_the_mean_of_each_value_and_each_part_by_name(plugins):
+    built = Objective.build(normalise_loss_specs(["dpo.sigmoid", "dpo.per_example"]), plugins.losses, family="dpo",
+                            consumes=PreferenceLogps, metrics=lambda batch: batch.reward_metrics(0.5))
+    batch = preference_batch()
+    loss, parts = built(batch)
+    logged = built.metrics(batch, parts)
+    chosen, rejected = 0.5 * batch.chosen_logratios.detach(), 0.5 * batch.rejected_logratios.detach()
+    assert set(logged) == {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+                           "logps/chosen", "logps/rejected", "loss/dpo.sigmoid", "loss/dpo.per_example"}
+    assert logged["rewards/margins"] == (chosen - rejected).mean()
+    assert logged["rewards/accuracies"] == (chosen > rejected).float().mean()
+    assert logged["logps/rejected"] == batch.rejected_logps.detach().mean()
+    assert logged["loss/dpo.per_example"] == parts["dpo.per_example"]
+    assert not any(value.requires_grad for value in logged.values())
+    assert "loss/dpo.sigmoid" not in objective(plugins, "dpo.sigmoid")[0].metrics(batch, {"dpo.sigmoid": loss})
+
+
+def test_kto_metrics_of_a_batch_with_one_class_are_nan_for_the_other():
+    logps, ref = torch.tensor([-3.0, -4.5]), torch.tensor([-4.0, -4.0])
+    batch = UnpairedLogps(logps, ref, torch.tensor([True, True]), torch.tensor(0.25))
+    metrics = batch.reward_metrics(0.1)
+    assert metrics["rewards/chosen"].item() == pytest.approx(0.025) and metrics["logps/chosen"].item() == -3.75
+    assert metrics["rewards/rejected"].isnan() and metrics["rewards/margins"].isnan()
+    assert metrics["logps/rejected"].isnan() and metrics["kl"].item() == 0.25

@@ -79,6 +79,28 @@ class PreferenceLogps:
     def batch_size(self) -> int:
         return self.chosen_logps.shape[0]
 
+    def reward_metrics(self, beta: float) -> dict[str, Tensor]:
+        """The preference families' default metrics: DPO's implicit rewards β·r (Rafailov et al. 2023,
+        §5), β·log π for a reference-free method (whose reference log-probs are zeros)."""
+        return preference_metrics((beta * self.chosen_logratios, beta * self.rejected_logratios),
+                                  (self.chosen_logps, self.rejected_logps))
+
+
+def preference_metrics(rewards: tuple[Tensor, Tensor], logps: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
+    """What TRL logs for preference pairs, per pair (the objective averages): rewards/{chosen, rejected,
+    margins, accuracies} from each side's reward, logps/{chosen, rejected} from its log-probs."""
+    (chosen, rejected), (logps_chosen, logps_rejected) = rewards, logps
+    return {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/margins": chosen - rejected,
+            "rewards/accuracies": (chosen > rejected).float(),
+            "logps/chosen": logps_chosen, "logps/rejected": logps_rejected}
+
+
+def logit_metrics(logit_mean: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """logits/{chosen, rejected}: the mean logit over the completion tokens of 2B rows [chosen…; rejected…]
+    (``logit_mean`` ``[2B, T]``, each position's mean over the vocabulary): the model's, not a loss's."""
+    (chosen, rejected), (mask_chosen, mask_rejected) = logit_mean.chunk(2), mask.chunk(2)
+    return {"logits/chosen": masked_mean(chosen, mask_chosen), "logits/rejected": masked_mean(rejected, mask_rejected)}
+
 
 @attrs.frozen
 class UnpairedLogps:
@@ -100,6 +122,19 @@ class UnpairedLogps:
     @property
     def batch_size(self) -> int:
         return self.logps.shape[0]
+
+    def reward_metrics(self, beta: float) -> dict[str, Tensor]:
+        """KTO's default metrics, each over its class (NaN where the batch holds none of it, and so for
+        rewards/margins unless it holds both): rewards/* of β·r, logps/*, and the reference point kl."""
+        rewards, desirable = beta * self.logratios, self.desirable
+        chosen, rejected = _mean_or_nan(rewards[desirable]), _mean_or_nan(rewards[~desirable])
+        return {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/margins": chosen - rejected,
+                "logps/chosen": _mean_or_nan(self.logps[desirable]),
+                "logps/rejected": _mean_or_nan(self.logps[~desirable]), "kl": self.kl_logratio}
+
+
+def _mean_or_nan(values: Tensor) -> Tensor:
+    return values.mean() if values.numel() else values.new_tensor(float("nan"))
 
 
 @attrs.frozen
@@ -168,6 +203,13 @@ class PairwiseRewards:
     @property
     def batch_size(self) -> int:
         return self.chosen_rewards.shape[0]
+
+    def reward_metrics(self) -> dict[str, Tensor]:
+        """A reward model's default metrics per pair: accuracy (chosen scored above rejected), the
+        score margin, and each side's score."""
+        chosen, rejected = self.chosen_rewards, self.rejected_rewards
+        return {"accuracy": (chosen > rejected).float(), "margin": chosen - rejected,
+                "rewards/chosen": chosen, "rewards/rejected": rejected}
 
 
 @attrs.frozen

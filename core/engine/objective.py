@@ -4,12 +4,18 @@ A loss entry in a config is a name or a mapping ``{name, weight, **params}``. Pa
 method shares with its losses (DPO's ``beta``, ``label_smoothing``) fill any parameter the
 entry leaves unset, so ``DPOConfig(beta=0.2, loss_type="ipo")`` means what a TRL user expects.
 Everything is resolved and validated when the objective is built, before any model loads.
+
+Metrics follow one convention for every family: a metrics function maps the loss batch to named
+tensors (one value per example, or already reduced), and :meth:`Objective.metrics` logs each one's
+mean. The method gives its family's default when it builds the objective (DPO's rewards/* and
+logps/*); a loss's ``metrics=`` adds names or replaces the default's (the first loss to give a name
+wins), so a new loss of a family logs what the family logs without writing anything.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import attrs
 import torch
@@ -82,8 +88,7 @@ class LossTerm:
 
 def declared_output(component: Component) -> str:
     """The shape a loss declares: ``output=``, or ``reduces=True`` (the older spelling of a scalar)."""
-    options = component.options
-    return options.get("output") or ("scalar" if options.get("reduces") else "example")
+    return component.options.reduction
 
 
 def provenance(component: Component) -> str:
@@ -158,11 +163,16 @@ class LossChoice:
         return normalise_loss_specs(self.loss_type or self.default_loss, self.loss_weights, field="loss_type")
 
 
-class Objective:
-    """A weighted sum of registered losses over one typed batch."""
+Metrics = Callable[[Any], Mapping[str, Tensor]]
 
-    def __init__(self, terms: list[LossTerm]):
+
+class Objective:
+    """A weighted sum of registered losses over one typed batch, and what it logs (``default_metrics``:
+    the family's metrics of a batch, see the module's docstring)."""
+
+    def __init__(self, terms: list[LossTerm], default_metrics: Metrics | None = None):
         self.terms = terms
+        self.default_metrics = default_metrics
 
     @classmethod
     def build(
@@ -174,6 +184,7 @@ class Objective:
         consumes: type,
         shared: Mapping[str, Any] = {},
         field: str = "loss",
+        metrics: Metrics | None = None,
     ) -> "Objective":
         terms = []
         for i, spec in enumerate(specs):
@@ -182,7 +193,7 @@ class Objective:
             weight = spec.pop("weight", 1.0)
             if not isinstance(weight, (int, float)) or not math.isfinite(weight):
                 raise PlaitError(f"{field}[{i}].weight={weight!r} must be a finite number")
-            wanted = component.options.get("consumes")
+            wanted = component.options.consumes
             if wanted is not None and wanted is not consumes:
                 raise PlaitError(
                     f"{field}[{i}]: loss {component.name!r} consumes {wanted.__name__} but this method "
@@ -196,7 +207,7 @@ class Objective:
                 accepted = {a.name for a in attrs.fields(component.params)}
                 spec = {**{k: v for k, v in shared.items() if k in accepted}, **spec}
             terms.append(LossTerm(component, float(weight), component.make_params(**spec)))
-        return cls(terms)
+        return cls(terms, metrics)
 
     @property
     def names(self) -> list[str]:
@@ -230,3 +241,18 @@ class Objective:
         if not torch.is_tensor(total):
             raise PlaitError("the objective has no terms")
         return total, parts
+
+    def metrics(self, batch, parts: Mapping[str, Tensor] = {}) -> dict[str, Tensor]:
+        """What a step logs from its loss batch: the mean of each tensor the losses' ``metrics=`` give (the
+        first loss to give a name wins) and then the family's default the rest, without gradient; and
+        ``loss/<name>`` for each of ``parts`` (:meth:`__call__`'s) when the objective composes several."""
+        values: dict[str, Tensor] = {}
+        with torch.no_grad():
+            given = [t.component.options.metrics(batch, t.params) for t in self.terms if t.component.options.metrics]
+            if self.default_metrics is not None:
+                given.append(self.default_metrics(batch))
+            for source in given:
+                values.update({name: value.detach().mean() for name, value in source.items() if name not in values})
+        if len(parts) > 1:
+            values.update({f"loss/{name}": value.detach() for name, value in parts.items()})
+        return values

@@ -506,7 +506,7 @@ class OnlineTrainer(RolloutTrainer):
         self.estimator = resolve_advantage_estimator(p.advantage_spec(), self.plugins, field="advantage_estimator")
         shared = {name: getattr(p, name) for name in self.shared_loss_fields if getattr(p, name) is not None}
         return Objective.build(p.loss_specs(), self.plugins.losses, family=self.loss_family, consumes=PolicyTokens,
-                               shared=shared, field=p.loss_field)
+                               shared=shared, field=p.loss_field, metrics=self.policy_metrics)
 
     def uses_reference(self, p) -> bool:
         """A KL term with beta > 0 (the config's, or one a loss entry sets itself) needs the reference."""
@@ -699,15 +699,17 @@ class OnlineTrainer(RolloutTrainer):
             gather=functools.partial(gather_ragged, self.accelerator), tool_mask=inputs.get("tool_mask"),
         )
         loss, parts = self.objective(batch)
-        metrics = {"entropy": masked_mean(out.entropy[:, width:].detach(), mask)}
-        if batch.ref_logps is not None:
-            r = batch.ref_logps - logps.detach()
-            metrics["kl"] = masked_mean(torch.exp(r) - r - 1, mask)
-        metrics.update(self.clip_metrics(batch))
-        if len(parts) > 1:
-            metrics.update({f"loss/{name}": value.detach() for name, value in parts.items()})
-        self.record(metrics)
+        self.record(self.objective.metrics(batch, parts))
         return (loss, None) if return_outputs else loss
+
+    def policy_metrics(self, batch: PolicyTokens) -> dict[str, Tensor]:
+        """The policy-gradient family's default metrics (token means over the completions): the entropy,
+        the k3 estimate of KL(π‖π_ref) where there is a reference (Schulman 2020), and the clip fractions."""
+        metrics = {"entropy": masked_mean(batch.entropy, batch.mask)}
+        if batch.ref_logps is not None:
+            r = batch.ref_logps - batch.logps
+            metrics["kl"] = masked_mean(torch.exp(r) - r - 1, batch.mask)
+        return {**metrics, **self.clip_metrics(batch)}
 
     def clip_ratio(self, batch: PolicyTokens) -> Tensor:
         """The importance ratio the clip acts on, ``[B, T]`` or ``[B, 1]`` (metrics only)."""

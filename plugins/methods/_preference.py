@@ -5,8 +5,10 @@ rejected ids; ``keep_start`` truncation at ``max_length``, a pair whose prompt l
 dropped) and collated by ``collator.preference`` into 2B rows [chosen…; rejected…]. One forward
 gives the policy's summed completion log-probs; no reference model is loaded, so the
 :class:`plait.engine.batches.PreferenceLogps` the losses get carries zeros as the reference's log-probs,
-and a ``dpo.*`` loss composed with them is its reference-free form. What TRL 1.16 logs comes from
-the first loss that registers ``metrics=`` (rewards/*, logps/*, ORPO's log-odds).
+and a ``dpo.*`` loss composed with them is its reference-free form. What TRL 1.16 logs follows the
+objective's convention (:meth:`plait.engine.objective.Objective.metrics`): the preference family's
+rewards/* and logps/* (β·log π here), replaced or extended by the losses' ``metrics=`` (CPO's shaped
+rewards, ORPO's log-odds); the method adds logits/* and nll_loss.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from plait import PlaitError
 from plait.data.prepare import prepare_dataset
-from plait.engine.batches import PreferenceLogps, masked_mean
+from plait.engine.batches import PreferenceLogps, logit_metrics
 from plait.engine.layout import pad_multiple_field, row_token_logprobs
 from plait.engine.objective import LossChoice, Objective
 from plait.engine.trainer import PlaitTrainer
@@ -73,7 +75,8 @@ class PreferenceTrainer(PlaitTrainer):
     def validate(self, args) -> None:
         p = args.params
         self.objective = Objective.build(self.loss_specs(p), self.plugins.losses, family=self.method,
-                                         consumes=PreferenceLogps, shared={k: getattr(p, k) for k in self.shared})
+                                         consumes=PreferenceLogps, shared={k: getattr(p, k) for k in self.shared},
+                                         metrics=lambda batch: batch.reward_metrics(p.beta))
 
     def prepare(self, dataset, processing_class, args, split):
         if dataset is None:
@@ -106,29 +109,13 @@ class PreferenceTrainer(PlaitTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         batch, logit_mean = self.preference_logps(model, inputs)
         loss, parts = self.objective(batch)
-        self.record(self.metrics(batch, parts, logit_mean, inputs["completion_mask"]))
+        self.record({**self.objective.metrics(batch, parts), **logit_metrics(logit_mean, inputs["completion_mask"]),
+                     "nll_loss": self.nll_value(batch, parts)})
         return (loss, None) if return_outputs else loss
 
-    def metrics(self, batch: PreferenceLogps, parts: dict, logit_mean: torch.Tensor, mask: torch.Tensor) -> dict:
-        """TRL 1.16's names: the first loss that declares ``metrics=`` gives rewards/* and logps/*
-        (β·log π summed when none does); logits/* are mean logits over completion tokens."""
+    def nll_value(self, batch: PreferenceLogps, parts: dict) -> torch.Tensor:
+        """The NLL term's mean, logged as TRL 1.16's nll_loss whether or not the objective composes it."""
+        if self.nll_loss in parts:
+            return parts[self.nll_loss].detach()
         with torch.no_grad():
-            declared = next((t for t in self.objective.terms if "metrics" in t.component.options), None)
-            if declared is not None:
-                per_pair = declared.component.options["metrics"](batch, declared.params)
-            else:
-                beta, (chosen, rejected) = self.args.params.beta, (batch.chosen_logps.detach(), batch.rejected_logps.detach())
-                per_pair = {"rewards/chosen": beta * chosen, "rewards/rejected": beta * rejected,
-                            "logps/chosen": chosen, "logps/rejected": rejected}
-            chosen, rejected = per_pair["rewards/chosen"], per_pair["rewards/rejected"]
-            metrics = {name: value.mean() for name, value in per_pair.items()}
-            metrics["rewards/margins"] = (chosen - rejected).mean()
-            metrics["rewards/accuracies"] = (chosen > rejected).float().mean()
-            (logit_chosen, logit_rejected), (mask_chosen, mask_rejected) = logit_mean.chunk(2), mask.chunk(2)
-            metrics["logits/chosen"] = masked_mean(logit_chosen, mask_chosen)
-            metrics["logits/rejected"] = masked_mean(logit_rejected, mask_rejected)
-            nll = parts.get(self.nll_loss)
-            metrics["nll_loss"] = nll.detach() if nll is not None else \
-                self.plugins.losses.get(self.nll_loss).obj(batch, None).mean()
-            metrics.update({f"loss/{name}": value.detach() for name, value in parts.items()} if len(parts) > 1 else {})
-        return metrics
+            return self.plugins.losses.get(self.nll_loss).obj(batch, None).mean()

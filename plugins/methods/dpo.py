@@ -15,7 +15,7 @@ import torch
 
 from plait import Method, PlaitError, hookimpl
 from plait.data.prepare import prepare_dataset
-from plait.engine.batches import PreferenceLogps, masked_mean
+from plait.engine.batches import PreferenceLogps, logit_metrics, masked_mean
 from plait.engine.config import method_config
 from plait.engine.divergences import f_divergence
 from plait.engine.layout import pad_multiple_field, row_token_logprobs
@@ -84,6 +84,7 @@ class DPOTrainer(ReferenceTrainer):
         self.objective = Objective.build(
             p.loss_specs(), self.plugins.losses, family="dpo", consumes=PreferenceLogps,
             shared={"beta": p.beta, "label_smoothing": p.label_smoothing, "discopop_tau": p.discopop_tau},
+            metrics=lambda batch: batch.reward_metrics(p.beta),
         )
         self.divergence = f_divergence(p.f_divergence_type, p.f_alpha_divergence_coef)
         self._check_losses_support(p)
@@ -93,13 +94,13 @@ class DPOTrainer(ReferenceTrainer):
         terms = self.objective.terms
         if p.f_divergence_type != "reverse_kl":
             # f-DPO (Wang et al. 2024) leaves β·log Z(x) in each score: it cancels only in chosen − rejected
-            refused = [t.name for t in terms if not t.component.options.get("f_divergence")]
+            refused = [t.name for t in terms if not t.component.options.f_divergence]
             if refused:
                 raise PlaitError(f"f_divergence_type={p.f_divergence_type!r} does not apply to {refused}: only losses "
                                  "built on the chosen − rejected difference register f_divergence=True; use "
                                  "f_divergence_type='reverse_kl' with them")
         if p.use_weighting:
-            refused = [t.name for t in terms if t.component.options.get("sorts_batch")]
+            refused = [t.name for t in terms if t.component.options.sorts_batch]
             if refused:
                 raise PlaitError(f"use_weighting=True weighs each pair's loss, but {refused} sort the batch (entry k "
                                  "is the k-th quantile, not pair k); set use_weighting=False or pick another loss")
@@ -162,22 +163,7 @@ class DPOTrainer(ReferenceTrainer):
                                 divergence=self.divergence, unweighted_chosen_logps=unweighted_chosen)
         weights = self._wpo_weights(out, mask, p.weighting_cap) if p.use_weighting else None
         loss, parts = self.objective(batch, example_weights=weights)
-
-        beta = self.args.params.beta
-        reward_chosen, reward_rejected = beta * batch.chosen_logratios.detach(), beta * batch.rejected_logratios.detach()
-        logit_chosen, logit_rejected = out.logit_mean.detach().chunk(2)
-        mask_chosen, mask_rejected = mask.chunk(2)
-        metrics = {
-            "rewards/chosen": reward_chosen.mean(), "rewards/rejected": reward_rejected.mean(),
-            "rewards/margins": (reward_chosen - reward_rejected).mean(),
-            "rewards/accuracies": (reward_chosen > reward_rejected).float().mean(),
-            "logps/chosen": chosen.detach().mean(), "logps/rejected": rejected.detach().mean(),
-            "logits/chosen": masked_mean(logit_chosen, mask_chosen),
-            "logits/rejected": masked_mean(logit_rejected, mask_rejected),
-        }
-        if len(parts) > 1:
-            metrics.update({f"loss/{name}": value.detach() for name, value in parts.items()})
-        self.record(metrics)
+        self.record({**self.objective.metrics(batch, parts), **logit_metrics(out.logit_mean.detach(), mask)})
         return (loss, None) if return_outputs else loss
 
     @staticmethod

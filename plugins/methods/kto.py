@@ -139,7 +139,7 @@ class KTOTrainer(ReferenceTrainer):
         p = args.params
         shared = {"beta": p.beta, "desirable_weight": p.desirable_weight, "undesirable_weight": p.undesirable_weight}
         self.objective = Objective.build(p.loss_specs(), self.plugins.losses, family="kto", consumes=UnpairedLogps,
-                                         shared=shared)
+                                         shared=shared, metrics=lambda batch: batch.reward_metrics(p.beta))
 
     def prepare(self, dataset, processing_class, args, split):
         if dataset is None:
@@ -216,23 +216,8 @@ class KTOTrainer(ReferenceTrainer):
         desirable = inputs["label"].bool()
         batch = UnpairedLogps(logps, ref, desirable, self.kl_estimate(model, inputs, ref_kl))
         loss, parts = self.objective(batch)
-
-        rewards, logps = self.args.params.beta * batch.logratios.detach(), logps.detach()
-        chosen, rejected = rewards[desirable], rewards[~desirable]
-        metrics = {
-            "rewards/chosen": _mean(chosen), "rewards/rejected": _mean(rejected),
-            "rewards/margins": _mean(chosen) - _mean(rejected),  # NaN unless both classes are present
-            "logps/chosen": _mean(logps[desirable]), "logps/rejected": _mean(logps[~desirable]),
-            "kl": batch.kl_logratio,
-        }
-        if len(parts) > 1:
-            metrics.update({f"loss/{name}": value.detach() for name, value in parts.items()})
-        self.record(metrics)  # NaN entries (a class absent from a batch) are skipped when logged
+        self.record(self.objective.metrics(batch, parts))  # NaN entries (a class absent from a batch) are skipped
         return (loss, None) if return_outputs else loss
-
-
-def _mean(values: torch.Tensor) -> torch.Tensor:
-    return values.mean() if values.numel() else values.new_tensor(float("nan"))
 
 
 @hookimpl

@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-from typing import Any
 
 import attrs
 import torch
@@ -53,7 +52,6 @@ from plait.online.scoring import (
     reward_weights,
 )
 from plait.params import in_range, int_at_least, non_negative, one_of, positive
-
 
 KL_ESTIMATORS = ("k1", "k3")
 VALUE_FOLDER = "value_model"
@@ -275,12 +273,13 @@ class PPOTrainer(RolloutTrainer):
         super().validate(args)
         p = args.params
         self.policy_objective = Objective.build(p.loss_specs(), self.plugins.losses, family="ppo",
-                                                consumes=PolicyTokens, shared={"cliprange": p.cliprange})
+                                                consumes=PolicyTokens, shared={"cliprange": p.cliprange},
+                                                metrics=self.policy_metrics)
         self.value_objective = Objective.build(p.value_loss_specs(), self.plugins.losses, family="ppo",
                                                consumes=ValueTokens, shared={"cliprange_value": p.cliprange_value},
-                                               field="value_loss")
+                                               field="value_loss", metrics=self.value_metrics)
         self.estimator = resolve_advantage_estimator(p.advantage_spec(), self.plugins, field="advantage_estimator")
-        if not self.estimator.component.options.get("token_level", False):
+        if not self.estimator.component.options.token_level:
             raise PlaitError(f"advantage_estimator {self.estimator.name!r} gives one advantage per sequence; PPO needs a "
                              "token-level estimator such as advantage.gae")
         # validate() may run on a bare instance (recipe checks): arguments of __init__ may be absent.
@@ -476,33 +475,33 @@ class PPOTrainer(RolloutTrainer):
         p = self.args.params
         logps, entropy, values = self._policy_and_values(model, inputs, slice(None))
         mask = inputs["completion_mask"]
-        policy = PolicyTokens(logps=logps, old_logps=inputs["old_logps"], advantages=inputs["advantages"], mask=mask)
+        policy = PolicyTokens(logps=logps, old_logps=inputs["old_logps"], advantages=inputs["advantages"], mask=mask,
+                              entropy=entropy)
         critic = ValueTokens(values=values, old_values=inputs["old_values"], returns=inputs["returns"], mask=mask)
         pg, pg_parts = self.policy_objective(policy, mask=mask)
         vf, vf_parts = self.value_objective(critic, mask=mask)
         loss = pg + p.vf_coef * vf
-
-        with torch.no_grad():
-            log_ratio = logps - policy.old_logps
-            ratio = torch.exp(log_ratio)
-            a = policy.advantages
-            clipped = torch.clamp(ratio, 1 - p.cliprange, 1 + p.cliprange)
-            v_clipped = critic.old_values + torch.clamp(values - critic.old_values, -p.cliprange_value,
-                                                        p.cliprange_value)
-            metrics = {
-                "policy/approxkl": 0.5 * masked_mean(log_ratio ** 2, mask),
-                "policy/clipfrac": masked_mean((-a * clipped > -a * ratio).float(), mask),
-                "policy/entropy": masked_mean(entropy, mask),
-                "loss/policy_avg": pg, "loss/value_avg": vf,
-                "val/clipfrac": masked_mean(((v_clipped - critic.returns) ** 2 > (values - critic.returns) ** 2).float(),
-                                            mask),
-                "val/ratio": masked_mean(ratio, mask),
-            }
-            for parts in (pg_parts, vf_parts):
-                if len(parts) > 1:
-                    metrics.update({f"loss/{name}": value for name, value in parts.items()})
-        self.record({k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()})
+        self.record({**self.policy_objective.metrics(policy, pg_parts), "loss/policy_avg": pg.detach(),
+                     **self.value_objective.metrics(critic, vf_parts), "loss/value_avg": vf.detach()})
         return (loss, None) if return_outputs else loss
+
+    def policy_metrics(self, batch: PolicyTokens) -> dict[str, torch.Tensor]:
+        """The policy objective's default metrics (token means): half the mean squared log-ratio (approx. KL
+        to the sampling policy), the fraction the clip acts on, the entropy and the importance ratio."""
+        cliprange, mask = self.args.params.cliprange, batch.mask
+        log_ratio = batch.logps - batch.old_logps
+        ratio, a = torch.exp(log_ratio), batch.advantages
+        clipped = torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
+        return {"policy/approxkl": 0.5 * masked_mean(log_ratio ** 2, mask),
+                "policy/clipfrac": masked_mean((-a * clipped > -a * ratio).float(), mask),
+                "policy/entropy": masked_mean(batch.entropy, mask), "val/ratio": masked_mean(ratio, mask)}
+
+    def value_metrics(self, batch: ValueTokens) -> dict[str, torch.Tensor]:
+        """The value objective's default metric: the fraction of tokens whose clipped value error is the larger."""
+        bound = self.args.params.cliprange_value
+        clipped = batch.old_values + torch.clamp(batch.values - batch.old_values, -bound, bound)
+        larger = (clipped - batch.returns) ** 2 > (batch.values - batch.returns) ** 2
+        return {"val/clipfrac": masked_mean(larger.float(), batch.mask)}
 
     # -- run state beyond the weights (the value model is saved as an auxiliary module) ---------
     def resume_state(self) -> dict:

@@ -140,6 +140,7 @@ class RewardTrainer(PlaitTrainer):
         self.objective = Objective.build(
             p.loss_specs(), self.plugins.losses, family="reward_model", consumes=PairwiseRewards,
             shared={"center_rewards_coefficient": p.center_rewards_coefficient or 0.0},
+            metrics=PairwiseRewards.reward_metrics,
         )
 
     def before_peft(self, model, args, **kwargs):
@@ -219,15 +220,7 @@ class RewardTrainer(PlaitTrainer):
         else:
             batch = PairwiseRewards(chosen, rejected)
         loss, parts = self.objective(batch)
-
-        chosen, rejected = chosen.detach(), rejected.detach()
-        metrics = {
-            "accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean(),
-            "rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
-        }
-        if len(parts) > 1:
-            metrics.update({f"loss/{name}": value.detach() for name, value in parts.items()})
-        self.record(metrics)
+        self.record(self.objective.metrics(batch, parts))
         return (loss, rewards) if return_outputs else loss
 
 

@@ -13,7 +13,6 @@ import logging
 from typing import Callable
 
 import attrs
-import torch
 import torch.nn.functional as F
 from datasets import Dataset
 
@@ -142,7 +141,8 @@ class SFTTrainer(PlaitTrainer):
 
     def wants_padding_free(self, args) -> bool:
         p = args.params  # packed rows hold whole documents only under a padding-free strategy (bfd)
-        packs = (p.packing or p.eval_packing) and self.plugins.packing_strategies.get(p.packing_strategy, family="packing").options.get("padding_free")
+        strategy = self.plugins.packing_strategies.get(p.packing_strategy, family="packing")
+        packs = (p.packing or p.eval_packing) and strategy.options.padding_free
         return bool(p.padding_free or packs)
 
     def make_collator(self, processing_class, args):
@@ -178,11 +178,12 @@ class SFTTrainer(PlaitTrainer):
         mask[:, 0] = False  # nothing predicts a row's first token
         if self.compute_loss_func is None:
             out = self.token_logprobs(model, inputs["input_ids"], with_argmax=True, **model_inputs)
-            loss, parts = self.objective(TokenLogps(out.logps, mask), mask=mask, num_tokens=num_items_in_batch)
-            predicted = out.argmax
+            batch = TokenLogps(out.logps, mask)
+            loss, parts = self.objective(batch, mask=mask, num_tokens=num_items_in_batch)
+            logged, predicted = self.objective.metrics(batch, parts), out.argmax
         else:  # the user's loss of the full outputs and the (unshifted) labels, as Trainer and TRL call it
             outputs = model(input_ids=inputs["input_ids"], use_cache=False, **model_inputs)
-            loss, parts = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch), {}
+            loss, logged = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch), {}
             predicted = F.pad(outputs.logits[:, :-1].detach().argmax(-1), (1, 0))  # aligned with the tokens predicted
         if num_items_in_batch is not None and self.args.average_tokens_across_devices:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients; the count was global
@@ -191,10 +192,9 @@ class SFTTrainer(PlaitTrainer):
         tokens = mask.sum()
         if self.model.training:
             self.tokens_seen += int(self.accelerator.gather_for_metrics(tokens.reshape(1)).sum())
-        metrics = {"mean_token_accuracy": correct.sum() / tokens.clamp(min=1), "num_tokens": self.tokens_seen}
-        if len(parts) > 1:
-            metrics.update({f"loss/{name}": value.detach() for name, value in parts.items()})
-        self.record(metrics)
+        # the model's predictions and the tokens seen; the objective's (no default for the NLL family)
+        self.record({"mean_token_accuracy": correct.sum() / tokens.clamp(min=1), "num_tokens": self.tokens_seen,
+                     **logged})
         return (loss, None) if return_outputs else loss
 
 
