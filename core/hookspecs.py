@@ -46,30 +46,20 @@ Register = Callable[..., None]
 class Options:
     """The options one component was registered with, typed per kind (no options: this class).
 
-    Read them as attributes (``component.options.consumes``). ``get``, ``[]`` and ``in`` keep the
-    older dict reading working: ``get(name, default)`` gives ``default`` for an option left unset
-    (None) or unknown to the kind, and ``name in options`` says whether it is set.
+    Read them as attributes (``component.options.consumes``); an option left unset is its default.
+    ``get(name, default)`` remains for readers not yet moved to attributes: ``default`` for an option
+    left unset (None) or unknown to the kind.
     """
 
     def get(self, name: str, default: Any = None) -> Any:
         value = getattr(self, name, None)
         return default if value is None else value
 
-    def __getitem__(self, name: str) -> Any:
-        if name not in attrs.fields_dict(type(self)):
-            raise KeyError(name)
-        return getattr(self, name)
-
-    def __contains__(self, name: str) -> bool:
-        return getattr(self, name, None) is not None
-
     def declared(self) -> dict[str, Any]:
         """The options that differ from their defaults: what the plugin declared."""
         return {f.name: getattr(self, f.name) for f in attrs.fields(type(self)) if getattr(self, f.name) != f.default}
 
-    def __eq__(self, other: object) -> bool:  # a dict of the declared options compares equal, as before
-        if isinstance(other, Mapping):
-            return self.declared() == dict(other)
+    def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and attrs.astuple(self, recurse=False) == attrs.astuple(other, recurse=False)
 
     def __hash__(self) -> int:  # values may be unhashable (a list of columns): equal options share the class
@@ -109,7 +99,7 @@ class LossOptions(Options):
         return self.output or ("scalar" if self.reduces else "example")
 
 
-@attrs.frozen(eq=False)  # Options' equality: a dict of the declared options compares equal
+@attrs.frozen(eq=False)  # Options' equality and hash: values may be unhashable
 class RewardOptions(Options):
     """What a reward reads: text or conversational completions, and the dataset columns it needs."""
 
@@ -117,7 +107,7 @@ class RewardOptions(Options):
     columns: tuple = attrs.field(default=(), validator=deep_iterable(instance_of(str), instance_of((tuple, list))))
 
 
-@attrs.frozen(eq=False)  # Options' equality: a dict of the declared options compares equal
+@attrs.frozen(eq=False)  # Options' equality and hash: values may be unhashable
 class AdvantageOptions(Options):
     """Properties of an estimator's output the kit checks and methods read."""
 
@@ -131,7 +121,7 @@ class AdvantageOptions(Options):
         return not self.token_level if self.group_relative is None else self.group_relative
 
 
-@attrs.frozen(eq=False)  # Options' equality: a dict of the declared options compares equal
+@attrs.frozen(eq=False)  # Options' equality and hash: values may be unhashable
 class BackendOptions(Options):
     """``check(config)``: refuses a run's config before any weights load; ``images``: takes image inputs."""
 
@@ -139,14 +129,14 @@ class BackendOptions(Options):
     images: bool = flag()
 
 
-@attrs.frozen(eq=False)  # Options' equality: a dict of the declared options compares equal
+@attrs.frozen(eq=False)  # Options' equality and hash: values may be unhashable
 class PackingOptions(Options):
     """``padding_free``: each packed row holds whole documents, so their lengths can be passed on."""
 
     padding_free: bool = flag()
 
 
-@attrs.frozen(eq=False)  # Options' equality: a dict of the declared options compares equal
+@attrs.frozen(eq=False)  # Options' equality and hash: values may be unhashable
 class EnvironmentOptions(Options):
     """``owns_reward=False``: the environment never scores an episode (rewards do)."""
 

@@ -128,7 +128,7 @@ def test_every_batch_class_a_builtin_loss_consumes_has_its_own_strategy():
     from plait.testing.strategies import BATCH_KINDS
 
     plugins = make_plugins()
-    unknown = {plugins.losses.get(name).options.get("consumes") for name in builtins("losses")} - set(BATCH_KINDS)
+    unknown = {plugins.losses.get(name).options.consumes for name in builtins("losses")} - set(BATCH_KINDS)
     assert not unknown, f"add a BatchKind for {unknown} to core/testing/strategies.py"
 
 

@@ -92,8 +92,8 @@ def test_pack_dataset_emits_seq_lengths_and_reports(caplog):
     )
     expected = sorted((tuple(r["input_ids"][:10]), tuple(r["completion_mask"][:10])) for r in rows)
     assert pieces == expected
-    assert STRATEGIES.get("packing.bfd").options["padding_free"] is True
-    assert STRATEGIES.get("packing.wrapped").options["padding_free"] is False
+    assert STRATEGIES.get("packing.bfd").options.padding_free is True
+    assert STRATEGIES.get("packing.wrapped").options.padding_free is False
 
 
 def test_pack_dataset_errors():

@@ -412,7 +412,7 @@ def test_bad_configurations_fail_before_loading(tmp_path, kwargs, overrides, mat
 def test_distill_is_registered_with_its_loss_and_gets_a_command(capsys):
     plugins = make_plugins()
     assert plugins.methods.get("method.distill").obj.loss_family == "distill"
-    assert plugins.losses.get("distill.jsd").options["consumes"] is TokenDistributions
+    assert plugins.losses.get("distill.jsd").options.consumes is TokenDistributions
     with pytest.raises(SystemExit):
         main(["--help"], plugins=plugins)
     assert "distill" in capsys.readouterr().out

@@ -39,7 +39,7 @@ def test_a_hand_computed_trajectory():
 def test_the_registry_resolves_gae_with_its_parameters():
     estimator = resolve_advantage_estimator({"name": "gae", "gamma": 0.9, "lam": 0.8}, make_plugins())
     assert estimator.name == "advantage.gae" and estimator.params == GAEParams(0.9, 0.8)
-    assert estimator.component.options["token_level"] is True
+    assert estimator.component.options.token_level is True
 
 
 @st.composite

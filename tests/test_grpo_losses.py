@@ -37,7 +37,7 @@ def batch(**overrides) -> PolicyTokens:
 
 def loss(losses, name, data=None, **params):
     component = losses.get(name)
-    assert component.options["output"] == "scalar" and component.options["consumes"] is PolicyTokens
+    assert component.options.output == "scalar" and component.options.consumes is PolicyTokens
     return component.obj(data if data is not None else batch(), component.make_params(**params))
 
 

@@ -176,17 +176,17 @@ MY_LOSSES = sorted(PER_PAIR) + ["dpo.aot", "dpo.aot_unpaired", "dpo.aot_pair"]
 
 
 def test_flags(losses):
-    assert {n for n in MY_LOSSES if losses.get(n).options.get("monotone") == "non_increasing_in_margin"} \
+    assert {n for n in MY_LOSSES if losses.get(n).options.monotone == "non_increasing_in_margin"} \
         == {"dpo.sigmoid", "dpo.hinge", "dpo.robust"}
-    assert {n for n in MY_LOSSES if losses.get(n).options.get("batch_coupled")} \
+    assert {n for n in MY_LOSSES if losses.get(n).options.batch_coupled} \
         == {"dpo.aot", "dpo.aot_unpaired", "dpo.aot_pair", "dpo.sft"}
-    assert {n for n in MY_LOSSES if losses.get(n).options.get("sorts_batch")} \
+    assert {n for n in MY_LOSSES if losses.get(n).options.sorts_batch} \
         == {"dpo.aot", "dpo.aot_unpaired", "dpo.aot_pair"}
     # TRL 1.16's list of losses a non-default f-divergence applies to (plus cdpo, a margin loss)
-    assert {n for n in MY_LOSSES if losses.get(n).options.get("f_divergence")} \
+    assert {n for n in MY_LOSSES if losses.get(n).options.f_divergence} \
         == {"dpo.sigmoid", "dpo.cdpo", "dpo.sigmoid_norm", "dpo.hinge", "dpo.ipo", "dpo.exo_pair", "dpo.robust",
             "dpo.discopop", "dpo.sft"}
-    assert all(losses.get(n).options["consumes"] is PreferenceLogps for n in MY_LOSSES)
+    assert all(losses.get(n).options.consumes is PreferenceLogps for n in MY_LOSSES)
 
 
 def margin_sweep(losses, name, **params):

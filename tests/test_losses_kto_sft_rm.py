@@ -97,7 +97,7 @@ def tokens(requires_grad=False):
 
 def test_sft_losses_are_per_token(losses):
     for name in ("sft.nll", "sft.dft"):
-        assert losses.get(name).options == {"consumes": TokenLogps, "output": "token"}
+        assert losses.get(name).options.declared() == {"consumes": TokenLogps, "output": "token"}
         assert losses.get(name).params is None
 
 
@@ -149,7 +149,7 @@ def test_bradley_terry_default_is_plain_bt_without_margin(losses):
     expected = [-math.log(sig(rc - rr)) for rc, rr in zip(CHOSEN_R, REJECTED_R)]
     batch = PairwiseRewards(torch.tensor(CHOSEN_R, dtype=torch.float64), torch.tensor(REJECTED_R, dtype=torch.float64))
     torch.testing.assert_close(run(losses, "reward_model.bradley_terry", batch), torch.tensor(expected, dtype=torch.float64))
-    assert losses.get("reward_model.bradley_terry").options == {"consumes": PairwiseRewards}
+    assert losses.get("reward_model.bradley_terry").options.declared() == {"consumes": PairwiseRewards}
 
 
 def test_bradley_terry_refuses_a_negative_centring_coefficient(losses):

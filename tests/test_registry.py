@@ -235,7 +235,7 @@ def test_register_keeps_doc_and_options():
     register_callback(registry, "plug", "dist", "1.0")("test.doc", loss, doc="Given explicitly.\nSecond line.")
     options = registry.get("test.loss").options
     assert (options.output, options.batch_coupled, options.f_divergence) == ("token", True, False)
-    assert options.get("output") == "token" and options["batch_coupled"] and "metrics" not in options  # the dict reading
+    assert options.metrics is None and options.declared() == {"output": "token", "batch_coupled": True}
     assert registry.get("test.loss").summary == "A test loss."
     assert registry.get("test.doc").summary == "Given explicitly."
 

@@ -85,7 +85,23 @@ def _optional(validator):
 
 
 @attrs.define
-class OnlineParams(ReferenceSync, AgentChoice, GenerationChoice, LossChoice, RewardChoice):
+class RolloutParams(GenerationChoice, LossChoice):
+    """Sampling and data knobs of every method that learns from its own samples (:class:`RolloutTrainer`'s),
+    and their losses; names follow TRL's configs. How completions are sampled and logged is
+    :class:`plait.online.generation.GenerationChoice`; :class:`OnlineParams` adds the GRPO family's.
+
+    Subclasses add ``temperature`` and the completion length under their own default, and name
+    their ``default_loss``.
+    """
+
+    max_prompt_length: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
+    shuffle_dataset: bool = True
+    model_init_kwargs: dict | None = None
+    dataset_num_proc: int | None = None
+
+
+@attrs.define
+class OnlineParams(ReferenceSync, AgentChoice, RolloutParams, RewardChoice):
     """Knobs every online method shares, its losses included; names and defaults follow TRL's GRPOConfig.
     How completions are sampled and logged is :class:`plait.online.generation.GenerationChoice`; tools,
     environments and rollout functions (multi-turn episodes) are :class:`plait.online.rollouts.AgentChoice`.
@@ -109,7 +125,6 @@ class OnlineParams(ReferenceSync, AgentChoice, GenerationChoice, LossChoice, Rew
     num_generations_eval: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
     generation_batch_size: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
     steps_per_generation: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
-    max_prompt_length: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
     max_completion_length: int = attrs.field(default=512, validator=int_at_least(1))
     temperature: float = attrs.field(default=1.0, validator=positive)
     # sampler/trainer mismatch (backends that report log-probs, e.g. a bf16 vLLM engine)
@@ -125,12 +140,9 @@ class OnlineParams(ReferenceSync, AgentChoice, GenerationChoice, LossChoice, Rew
     delta: float | None = attrs.field(default=None, validator=_optional(positive))
     beta: float = attrs.field(default=0.0, validator=non_negative)
     mask_truncated_completions: bool = False
-    shuffle_dataset: bool = True
     # models and data
-    model_init_kwargs: dict | None = None
     padding_free: bool | None = None
     prefix_sharing: bool | None = None
-    dataset_num_proc: int | None = None
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -153,22 +165,6 @@ class OnlineParams(ReferenceSync, AgentChoice, GenerationChoice, LossChoice, Rew
     def generations_per_prompt(self, training: bool) -> int:
         """Completions per prompt: ``num_generations`` in training, ``num_generations_eval`` (when set) in evaluation."""
         return self.num_generations if training or self.num_generations_eval is None else self.num_generations_eval
-
-
-@attrs.define
-class RolloutParams(GenerationChoice, LossChoice):
-    """Sampling and data knobs of the one-completion-per-prompt methods (PPO, distillation, GKD), and
-    their losses; names follow TRL's configs. How completions are sampled and logged is
-    :class:`plait.online.generation.GenerationChoice`.
-
-    Subclasses add ``temperature`` and the completion length under their own default, and name
-    their ``default_loss``.
-    """
-
-    max_prompt_length: int | None = attrs.field(default=None, validator=attrs.validators.optional(int_at_least(1)))
-    shuffle_dataset: bool = True
-    model_init_kwargs: dict | None = None
-    dataset_num_proc: int | None = None
 
 
 def prompt_ids_of(inputs: dict) -> list[list[int]]:
@@ -476,7 +472,7 @@ class OnlineTrainer(RolloutTrainer):
         if p.sync_ref_model and not self.uses_reference(p):  # TRL 1.16 refuses it too
             raise PlaitError(f"sync_ref_model=True but beta={p.beta} uses no reference model, so there is nothing to "
                              "sync; set sync_ref_model=False or beta > 0")
-        if self._images and not self.backend_component.options.get("images"):
+        if self._images and not self.backend_component.options.images:
             raise PlaitError(f"the prompts hold images but {self.backend_component.name} cannot pass images to the model; "
                              "set use_vllm=False to sample with generation.transformers")
         self.reward_funcs = ((self._resolve_rewards(entries) if entries else [])

@@ -258,7 +258,7 @@ class Agent:
                 env.tools = resolved + own
                 return env
 
-            return cls(build, owns_reward=component.options.get("owns_reward", True), **kwargs)
+            return cls(build, owns_reward=component.options.owns_reward, **kwargs)
         return cls(lambda row: ToolEnvironment(resolved, timeout), **kwargs)
 
     def reward_function(self):

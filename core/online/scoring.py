@@ -771,7 +771,7 @@ class AdvantageEstimator:
 
     @property
     def zero_mean_per_group(self) -> bool:
-        return bool(self.component.options.get("zero_mean_per_group", False))
+        return self.component.options.zero_mean_per_group
 
     def __call__(self, rollout: Rollout) -> Tensor:
         return self.component.obj(rollout, self.params)

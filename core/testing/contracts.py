@@ -49,7 +49,6 @@ __all__ = [
     "check_packing_strategy", "check_params", "check_reward", "describe", "encoded_rows",
 ]
 
-MONOTONE = ("non_increasing_in_margin",)
 # The keyword arguments every reward function receives besides dataset columns.
 REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
 DEFAULT_EXAMPLES = 25
@@ -414,10 +413,8 @@ def check_loss(
         _for_all(with_perm, loss.independent, max_examples)
         checked += ([] if loss.output == "scalar" else ["batch-mean independence"]) + ["permutation invariance"]
 
-    declared = options.monotone
+    declared = options.monotone  # LossOptions admits only the kinds of monotonicity the kit can check
     if declared is not None:
-        if declared not in MONOTONE:
-            raise ContractViolation(loss.who, "declared input", f"monotone={declared!r}; the kit knows {MONOTONE}")
         if kind.raise_margin is None:
             raise ContractViolation(loss.who, "declared input", f"monotone={declared!r} but the kit cannot move the "
                                     f"margin of a {kind.cls.__name__}; register a BatchKind with raise_margin")

@@ -191,7 +191,7 @@ def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: di
     bins = component.obj(lengths, seq_length)
     check_bins(bins, lengths, seq_length, component.name)
     packed = {column: [[t for i, start, end in b for t in data[column][i][start:end]] for b in bins] for column in columns}
-    if component.options.get("padding_free"):
+    if component.options.padding_free:
         packed["seq_lengths"] = [[end - start for _, start, end in b] for b in bins]
     return datasets.Dataset.from_dict(packed)
 

@@ -49,7 +49,8 @@ class CPOTrainer(PreferenceTrainer):
     def loss_specs(self, p) -> list[dict]:
         specs = p.loss_specs()
         first = self.plugins.losses.get(specs[0]["name"], family=self.method)
-        self.cpo_alpha = first.options.get("cpo_alpha", 1.0) if p.cpo_alpha is None else p.cpo_alpha
+        declared = first.options.cpo_alpha  # AlphaPO declares 0: no NLL term unless the config asks
+        self.cpo_alpha = p.cpo_alpha if p.cpo_alpha is not None else 1.0 if declared is None else declared
         return specs + ([{"name": self.nll_loss, "weight": self.cpo_alpha}] if self.cpo_alpha else [])
 
     def validate(self, args) -> None:
