@@ -412,3 +412,43 @@ report_to: none
     card = (out / "README.md").read_text()
     assert f"on `{first}`, `{second}`" in card  # the recipe's datasets, named on the card
     assert "- learning_rate: 0.001" in card and "- lr_scheduler_type: cosine" in card
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL's experimental import paths (trl.experimental.<name>)
+# ---------------------------------------------------------------------------------------------
+
+# A script in the shape TRL's ORPO and CPO pages give (their trainers live under trl.experimental in 1.16)
+EXPERIMENTAL_PREFERENCE = """
+from datasets import load_dataset
+from trl.experimental.{module} import {name}Config, {name}Trainer
+
+dataset = load_dataset("trl-lib/ultrafeedback_binarized", split="train")
+args = {name}Config(output_dir="{module}-run", max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3)
+trainer = {name}Trainer(model="Qwen/Qwen2-0.5B-Instruct", args=args, train_dataset=dataset)
+trainer.train()
+"""
+
+
+@pytest.mark.parametrize("module, name", [("orpo", "ORPO"), ("cpo", "CPO")])
+def test_experimental_imports_port_with_the_rest(tiny_model_path, tmp_path, module, name):
+    files = {'load_dataset("trl-lib/ultrafeedback_binarized"':
+             f'load_dataset("json", data_files="{write_jsonl(tmp_path / "uf.jsonl", ultrafeedback(8))}"'}
+    script = as_plait(EXPERIMENTAL_PREFERENCE.format(module=module, name=name), tiny_model_path, files)
+    assert f"from plait.experimental.{module} import" in script
+    run, saved, _ = run_script(tmp_path, f"{module}.py", script)
+    assert run["log_history"][-1]["step"] == 2 and train_loss(run) > 0
+    assert_trained(saved, tiny_model_path, module)
+
+
+def test_every_experimental_path_of_trl_that_plait_implements_imports():
+    import importlib
+
+    import plait
+    from plait.experimental import PATHS
+
+    for module, names in PATHS.items():
+        imported = importlib.import_module(f"plait.experimental.{module}")
+        assert [getattr(imported, name) for name in names] == [getattr(plait, name) for name in names]
+    with pytest.raises(ImportError, match="cannot import name 'ORPOTrainerX'"):
+        exec("from plait.experimental.orpo import ORPOTrainerX")
