@@ -171,3 +171,21 @@ def test_dpo_turns_padding_free_on_where_attention_runs_per_sequence(tmp_path, a
     attentions = {m.config._attn_implementation for m in t.held_models()}  # the policy and its reference copy
     assert len(t.held_models()) == 2
     assert attentions == ({"plait_sdpa"} if attention == "sdpa" and given is not False else {attention})
+
+
+@pytest.mark.parametrize("implementation, varlen", [
+    ("flash_attention_2", True), ("flash_attention_3", True),
+    ("kernels-community/flash-attn3", True), ("kernels-community/vllm-flash-attn3", True),
+    ("kernels-community/flash-attn@main", True), ("kernels-community/flash-attn:flash_attn_varlen_func", True),
+    ("sdpa", False), ("eager", False), ("flex_attention", False), ("kernels-community/paged-attention", False),
+])
+def test_hub_flash_kernels_count_as_variable_length(implementation, varlen):
+    """A Hub kernel (transformers' `kernels` integration) named by its repository attends per packed sequence
+    as transformers' own flash kernels do, so padding-free batches keep it as it is."""
+    from plait.engine.attention import is_varlen_kernel
+
+    assert is_varlen_kernel(implementation) is varlen
+    m = model()
+    m.config._attn_implementation = implementation  # as from_pretrained(attn_implementation=...) records it
+    if varlen:
+        assert packs_per_sequence(m) and m.config._attn_implementation == implementation

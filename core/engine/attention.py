@@ -41,6 +41,18 @@ SEQUENCE_SDPA = "plait_sdpa"
 VARLEN_KERNELS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
+def is_varlen_kernel(implementation: str | None) -> bool:
+    """A variable-length flash kernel: transformers' own (:data:`VARLEN_KERNELS`), or one loaded from the Hub
+    through the ``kernels`` package, named by its repository (``kernels-community/flash-attn3``, with an
+    optional ``@revision`` or ``:function``), whose name says flash attention."""
+    if not implementation:
+        return False
+    if implementation in VARLEN_KERNELS:
+        return True
+    repo = implementation.split(":", 1)[0].split("@", 1)[0]
+    return "/" in repo and "flash" in repo.rpartition("/")[2].lower()
+
+
 class Segment(NamedTuple):
     """One sequence of a packed row: ``size`` tokens from ``start``; a branch (``prefix`` > 0) continues
     the first ``prefix`` tokens of the segment ``root`` (itself where ``prefix`` is 0)."""
@@ -194,7 +206,7 @@ def packs_per_sequence(model) -> bool:
     whether it did: True on a variable-length flash kernel or on ``plait_sdpa`` (from ``sdpa``, once a
     packed probe matches the sequences run alone); False otherwise, the model left as it was."""
     current = model.config._attn_implementation
-    if current in VARLEN_KERNELS or current == SEQUENCE_SDPA:
+    if is_varlen_kernel(current) or current == SEQUENCE_SDPA:
         return True
     if current != "sdpa" or not getattr(model, "_can_set_attn_implementation", lambda: False)():
         return False
