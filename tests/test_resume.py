@@ -1,5 +1,5 @@
 """Exact resume for every method: those that learn from their own samples (GRPO, RLOO, PPO,
-distillation) and the offline ones (SFT, DPO, KTO, reward model).
+distillation, GKD, online DPO) and the offline ones (SFT, DPO, KTO, reward model, ORPO, CPO, PRM).
 
 Each test trains N steps straight through, and again with the run cut after a checkpoint and
 resumed from it in a fresh trainer: the final weights must be bit-identical (max |Δ| = 0.0) and
@@ -203,6 +203,10 @@ OFFLINE = {  # method -> (extra config fields, training rows, running counters t
     "kto": ({"beta": 0.1}, UNPAIRED, ()),
     "reward_model": ({}, PAIRS, ()),
     "sft": ({}, [{"prompt": r["prompt"], "completion": r["completion"]} for r in UNPAIRED], ("num_tokens",)),
+    "orpo": ({"beta": 0.1}, PAIRS, ()),
+    "cpo": ({"beta": 0.1}, PAIRS, ()),
+    "prm": ({}, [{"prompt": w, "completions": [" first step.", " second step."], "labels": [True, i % 2 == 0]}
+                 for i, w in enumerate(WORDS)], ()),
 }
 
 
@@ -231,6 +235,34 @@ def test_distill_resumes_bit_identically(tmp_path):
 
     straight, resumed = straight_and_resumed(tmp_path, build, stop=3)
     assert_same_run(straight, resumed, "distill", ())
+
+
+def test_gkd_resumes_bit_identically(tmp_path):
+    # lmbda 0.5: the student samples the completions of about half the batches (a coin per batch, from
+    # the run's random state), the others are the dataset's; the cut at step 3 must replay the same coins
+    teacher = noisy_tiny_model()
+    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": w}],
+                               "completion": [{"role": "assistant", "content": " it is near."}]} for w in WORDS])
+
+    def build(output):
+        args = plait.GKDConfig(output_dir=str(output), **COMMON, per_device_train_batch_size=2, max_new_tokens=6,
+                               lmbda=0.5)
+        return plait.GKDTrainer(str(tiny_model_path()), teacher_model=teacher, args=args, train_dataset=rows)
+
+    straight, resumed = straight_and_resumed(tmp_path, build, stop=3)
+    assert_same_run(straight, resumed, "gkd", ())
+
+
+def test_online_dpo_resumes_bit_identically(tmp_path):
+    # pairs sampled at each step from the policy: the cut at step 3 must resume its sampler's random state
+    def build(output):
+        args = plait.OnlineDPOConfig(output_dir=str(output), **COMMON, per_device_train_batch_size=4,
+                                     max_new_tokens=6)
+        return plait.OnlineDPOTrainer(str(tiny_model_path()), reward_funcs=low_tokens, args=args,
+                                      train_dataset=prompts(8))
+
+    straight, resumed = straight_and_resumed(tmp_path, build, stop=3)
+    assert_same_run(straight, resumed, "online_dpo", ())
 
 
 def test_a_resumed_run_without_saved_rollout_state_warns(tmp_path, caplog):
