@@ -65,11 +65,12 @@ class LossTerm:
 
     def _check(self, value: Any, batch, mask: Tensor | None) -> None:
         """Refuse a value the reduction would silently mis-average (or crash on), naming the plugin."""
-        expected = {"example": "[B] (one value per example)", "token": "[B, T] like the mask", "scalar": "a 0-dim tensor"}
+        expected = {"example": "[B] (one value per example)", "token": "[B, T] like the mask",
+                    "scalar": "a 0-dim tensor"}
         where = f"loss {self.name!r} ({self.origin}) declares output={self.output!r}"
         if not torch.is_tensor(value):
-            raise PlaitError(f"{where} but returned a {type(value).__name__}, not a tensor; return {expected[self.output]} "
-                             "computed from the batch's tensors")
+            raise PlaitError(f"{where} but returned a {type(value).__name__}, not a tensor; return "
+                             f"{expected[self.output]} computed from the batch's tensors")
         wanted = _expected_shape(self.output, batch, mask)
         if wanted is not None and tuple(value.shape) != wanted:
             raise PlaitError(f"{where} and must return {expected[self.output]}, shape {wanted}, but returned shape "
@@ -243,12 +244,13 @@ class Objective:
         return total, parts
 
     def metrics(self, batch, parts: Mapping[str, Tensor] = {}) -> dict[str, Tensor]:
-        """What a step logs from its loss batch: the mean of each tensor the losses' ``metrics=`` give (the
-        first loss to give a name wins) and then the family's default the rest, without gradient; and
-        ``loss/<name>`` for each of ``parts`` (:meth:`__call__`'s) when the objective composes several."""
+        """What a step logs from its loss batch, without gradient: the mean of each tensor the losses'
+        ``metrics=`` give (the first loss to give a name wins), of the family's default under the names they
+        leave, and ``loss/<name>`` for each of ``parts`` (:meth:`__call__`'s) when the objective composes several."""
         values: dict[str, Tensor] = {}
         with torch.no_grad():
-            given = [t.component.options.metrics(batch, t.params) for t in self.terms if t.component.options.metrics]
+            given = [t.component.options.metrics(batch, t.params) for t in self.terms
+                     if t.component.options.metrics is not None]
             if self.default_metrics is not None:
                 given.append(self.default_metrics(batch))
             for source in given:
