@@ -95,8 +95,10 @@ def test_long_rows_keep_their_start_and_stay(tmp_path):
         ([55, 79, 93, 30], [322, 72, 4]),
         ([55, 79, 93, 30], [327, 262, 79, 93]),
     ]
-    # batch [0, 1] swaps completions; row 2, alone in its batch, borrows row 0's (TRL: its own)
-    assert [r["kl_completion_ids"] for r in rows] == [[322, 72, 4], [225, 345, 93], [225, 345, 93]]
+    # batch [0, 1] swaps completions; row 2, alone in its batch, borrows row 0's (TRL: its own). A borrowed
+    # completion is cut from its whole text to the borrowing prompt's room, as TRL cuts it: row 0's
+    # " very blue today." keeps 3 tokens beside its own 5-token prompt, 4 beside a 4-token one
+    assert [r["kl_completion_ids"] for r in rows] == [[322, 72, 4], [225, 345, 93, 272], [225, 345, 93, 272]]
     batch = t.data_collator(rows[:2])
     assert batch["input_ids"].tolist() == [[927, 262, 79, 93, 857, 225, 345, 93], [55, 79, 93, 30, 322, 72, 4, 0]]
-    assert batch["kl_input_ids"].tolist() == [[927, 262, 79, 93, 857, 322, 72, 4], [55, 79, 93, 30, 225, 345, 93, 0]]
+    assert batch["kl_input_ids"].tolist() == [[927, 262, 79, 93, 857, 322, 72, 4], [55, 79, 93, 30, 225, 345, 93, 272]]

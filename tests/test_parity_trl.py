@@ -410,16 +410,36 @@ def test_reward_model_drops_pairs_longer_than_max_length(tmp_path, tokenizer):
     assert len(ours.train_dataset) == 1
 
 
-def test_kto_truncation_keeps_the_start_and_the_row(tmp_path, tokenizer, reference):
-    data = Dataset.from_list([{"prompt": "The sky is", "completion": " very blue today.", "label": True},
+KTO_LONG = Dataset.from_list([{"prompt": "The sky is", "completion": " very blue today.", "label": True},
                               {"prompt": "Sky:", "completion": " red", "label": False},
-                              {"prompt": "one two three four", "completion": " a", "label": True}])
-    theirs, ours = both_trainers(tmp_path, "KTO", reference, data, tokenizer, max_length=8,
-                                 per_device_train_batch_size=2, plait_only={"padding_free": False})  # padded rows
+                              {"prompt": "one two three four", "completion": " a", "label": True},
+                              {"prompt": "A", "completion": " b c d e f g h", "label": False}])
+
+
+def test_kto_truncation_keeps_the_start_and_the_row(tmp_path, tokenizer, reference):
+    theirs, ours = both_trainers(tmp_path, "KTO", reference, KTO_LONG, tokenizer, max_length=8,
+                                 plait_only={"padding_free": False})  # padded rows
     assert collated(ours, ("input_ids", "attention_mask", "completion_mask", "label")) == \
         collated(theirs, ("input_ids", "attention_mask", "completion_mask", "label"))
-    # the mismatched pair of row 0 (whose partner's completion fits) is the same sequence
-    assert collated(ours, ("kl_input_ids",))["kl_input_ids"][0] == collated(theirs, ("KL_input_ids",))["KL_input_ids"][0]
+    # every mismatched pair is the same sequence: "Sky:" borrows " very blue today." cut to its own room
+    # (4 tokens), not as cut beside its own longer prompt (3 tokens)
+    kl = ("input_ids", "attention_mask", "completion_mask")
+    assert collated(ours, [f"kl_{k}" for k in kl]) == {f"kl_{k.removeprefix('KL_')}": v for k, v in
+                                                       collated(theirs, [f"KL_{k}" for k in kl]).items()}
+
+
+def test_kto_loss_on_truncated_rows_equals_trls(tmp_path, tokenizer, reference):
+    # this policy's KL estimate is above 0 (not clamped), so it reads every mismatched pair: cutting the
+    # borrowed completion as it was cut beside its own prompt moved the loss by 1.6e-3 relative
+    policy = noisy_tiny_model(seed=1, scale=0.05)
+    trainers = [trainer_class(model=copy.deepcopy(policy), ref_model=copy.deepcopy(reference), train_dataset=KTO_LONG,
+                              processing_class=tokenizer, args=config_class(**common_args(tmp_path), max_length=8,
+                                                                            **extra))
+                for config_class, trainer_class, extra in ((trl.KTOConfig, trl.KTOTrainer, {}),
+                                                           (plait_kto.KTOConfig, plait_kto.KTOTrainer,
+                                                            {"padding_free": False}))]
+    batches = [t.data_collator([t.train_dataset[i] for i in range(len(t.train_dataset))]) for t in trainers]
+    assert_same(loss_and_grad(trainers[1], batches[1]), loss_and_grad(trainers[0], batches[0]))
 
 
 def test_kto_paired_data_never_pairs_a_prompt_with_its_own_completion_where_trl_does(tmp_path, tokenizer, reference):

@@ -21,6 +21,7 @@ from typing import Sequence
 
 import attrs
 import torch
+from datasets import Dataset
 
 from plait import Method, hookimpl
 from plait.data.prepare import prepare_dataset
@@ -121,6 +122,9 @@ def _nearest_other_prompt(keys: list[int], row: int) -> int:
     return (row - 1) % len(keys)  # one prompt throughout: another row, or the row itself when alone
 
 
+ROW = "kto_row"  # a column numbering the rows while KTO prepares them
+
+
 def _fit(completion: list[int], room: int, truncation_mode: str) -> list[int]:
     """``completion`` cut to ``room`` tokens from the side ``truncation_mode`` drops."""
     room = max(room, 0)
@@ -145,13 +149,19 @@ class KTOTrainer(ReferenceTrainer):
         if dataset is None:
             return None
         p = args.params
-        dataset = prepare_dataset(
-            dataset, processing_class, "unpaired", plugins=self.plugins, max_length=p.max_length,
-            truncation_mode=p.truncation_mode, num_proc=p.dataset_num_proc,
-        )
+        numbered = isinstance(dataset, Dataset) and p.max_length is not None
+        if numbered:  # to find each row's untruncated completion after rows were dropped
+            dataset = dataset.add_column(ROW, list(range(len(dataset))))
+
+        def prepared(max_length):
+            return prepare_dataset(dataset, processing_class, "unpaired", plugins=self.plugins, max_length=max_length,
+                                   truncation_mode=p.truncation_mode, num_proc=p.dataset_num_proc)
+
+        untruncated = prepared(None) if numbered else None
+        dataset = prepared(p.max_length)
         if split == "train":
             check_class_balance(dataset["label"], p.desirable_weight, p.undesirable_weight)
-        dataset = self.with_mismatched_completions(dataset, args, split)
+        dataset = self.with_mismatched_completions(dataset, args, split, untruncated)
         if p.precompute_ref_log_probs:
             dataset = self.with_reference_logps(
                 dataset, processing_class, args, ("ref_logps", "ref_kl_logps"),
@@ -159,13 +169,21 @@ class KTOTrainer(ReferenceTrainer):
         return dataset
 
     @staticmethod
-    def with_mismatched_completions(dataset, args, split: str):
+    def with_mismatched_completions(dataset, args, split: str, untruncated=None):
         """``dataset`` with each row's KL completion (``kl_completion_ids``) fixed by
         :func:`mismatched_partners` over the split's batches, cut so that the prompt and it fit
-        ``max_length`` as ``truncation_mode`` says."""
+        ``max_length`` as ``truncation_mode`` says.
+
+        The partner's completion is cut from its whole text (``untruncated``: the rows prepared without
+        ``max_length``, matched by their ``ROW`` number), not from what was left of it beside its own
+        prompt: a shorter borrowing prompt leaves it more room, as in TRL 1.16."""
         p = args.params
         size = args.per_device_train_batch_size if split == "train" else args.per_device_eval_batch_size
         prompts, completions = list(dataset["prompt_ids"]), list(dataset["completion_ids"])
+        if untruncated is not None:  # a preference pair gives two rows of one ROW: its label tells them apart
+            whole = dict(zip(zip(untruncated[ROW], untruncated["label"]), untruncated["completion_ids"]))
+            completions = [whole[key] for key in zip(dataset[ROW], dataset["label"])]
+            dataset = dataset.remove_columns(ROW)
         borrowed = [completions[j] for j in mismatched_partners(prompts, size)]
         if p.max_length is not None:
             borrowed = [_fit(c, p.max_length - len(prompt), p.truncation_mode) for prompt, c in zip(prompts, borrowed)]
