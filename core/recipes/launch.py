@@ -13,7 +13,9 @@ FSDP settings ``accelerate launch`` would give them, and :func:`plait.engine.pro
 them (accelerate 1.15 enables it for GPU-type backends only; torch's fully_shard runs over gloo).
 The other GPU presets refuse to start without a GPU: multi_gpu and DeepSpeed processes would
 each train alone, and FSDP1 wants an accelerator device (accelerate: "There are currently no
-available devices found"; torch: "Inconsistent compute device and `device_id`").
+available devices found"; torch: "Inconsistent compute device and `device_id`"). Every refusal is
+:func:`launch_plan`'s, which ``plait <method> --check`` calls too, so a check passes only a launch
+that can start on this machine.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import yaml
 
 from plait.engine.redact import masked_argv
@@ -74,17 +77,28 @@ def _fsdp_environment(path: Path, n: int) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(("FSDP_", "ACCELERATE_")) and os.environ.get(k) != v}
 
 
-def launch_command(argv: list[str], num_processes: int | None = None, accelerate_config: str | None = None,
-                   environ: dict | None = None, gpus: int | None = None) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment that run ``plait <argv>`` on ``num_processes`` processes
-    (on a machine with ``gpus`` GPUs; default: this one's)."""
+@attrs.frozen
+class LaunchPlan:
+    """How a launch will start on this machine: the preset file, its settings and the process count."""
+
+    path: Path
+    preset: dict
+    processes: int
+    on_cpu: bool  # a CPU preset (cpu_ddp): torch.distributed.run with gloo
+    fsdp_on_cpu: bool  # a GPU FSDP2 preset on a machine without GPUs: the same, plus accelerate's FSDP settings
+
+    def describe(self) -> str:
+        where = "CPU processes (torch.distributed.run, gloo)" if self.on_cpu or self.fsdp_on_cpu else \
+            "processes (accelerate launch)"
+        return f"{self.processes} {where}, preset {self.path.stem if self.path.parent == PRESETS else self.path}"
+
+
+def launch_plan(num_processes: int | None = None, accelerate_config: str | None = None,
+                gpus: int | None = None) -> LaunchPlan:
+    """What :func:`launch_command` will start on a machine with ``gpus`` GPUs (default: this one's), or
+    the one-line refusal of a launch that cannot start here. ``plait <method> --check`` calls it too."""
     if num_processes is not None and num_processes < 1:
         raise PlaitError(f"--num_processes {num_processes}: must be 1 or more")
-    env = dict(os.environ if environ is None else environ)
-    # `python -m` puts the working directory first on sys.path, so a stray pluggy.py (or torch.py)
-    # there would run in every process. PYTHONSAFEPATH is `python -P` for this process and every one
-    # it starts (Python >= 3.11); the `plait` console script never looks in the working directory either.
-    env["PYTHONSAFEPATH"] = "1"
     gpus = _gpus() if gpus is None else gpus
     path = preset_path(accelerate_config or (GPU_PRESET if gpus else CPU_PRESET))
     try:
@@ -108,15 +122,29 @@ def launch_command(argv: list[str], num_processes: int | None = None, accelerate
                              "use multi_gpu (or fsdp2, zero2 ...) for more")
         num_processes = 1
     n = num_processes or (preset.get("num_processes") if on_cpu else gpus or preset.get("num_processes")) or 1
+    return LaunchPlan(path, preset, n, on_cpu, fsdp_on_cpu)
+
+
+def launch_command(argv: list[str], num_processes: int | None = None, accelerate_config: str | None = None,
+                   environ: dict | None = None, gpus: int | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that run ``plait <argv>`` on ``num_processes`` processes
+    (on a machine with ``gpus`` GPUs; default: this one's), as :func:`launch_plan` plans them."""
+    plan = launch_plan(num_processes, accelerate_config, gpus)
+    env = dict(os.environ if environ is None else environ)
+    # `python -m` puts the working directory first on sys.path, so a stray pluggy.py (or torch.py)
+    # there would run in every process. PYTHONSAFEPATH is `python -P` for this process and every one
+    # it starts (Python >= 3.11); the `plait` console script never looks in the working directory either.
+    env["PYTHONSAFEPATH"] = "1"
+    n = plan.processes
     module = ["-m", "plait.cli", *argv]
-    if fsdp_on_cpu:
-        env.update(_fsdp_environment(path, n))
-    if on_cpu or fsdp_on_cpu:
+    if plan.fsdp_on_cpu:
+        env.update(_fsdp_environment(plan.path, n))
+    if plan.on_cpu or plan.fsdp_on_cpu:
         env["ACCELERATE_USE_CPU"] = "true"  # -> accelerate picks MULTI_CPU with gloo in every process
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *module]
     else:
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path),
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(plan.path),
                    "--num_processes", str(n), *module]
     return command, env
 
