@@ -27,6 +27,8 @@ chat template ends a turn. See :mod:`plait.data.chat` for how templates are appl
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -162,19 +164,21 @@ def _rows(data: Any, limit: int | None) -> tuple[list[str], list[dict]]:
     return columns, [dict(zip(head, values)) for values in zip(*head.values())]
 
 
-def detect_format(data: Any, plugins: Any = None, *, sample: int | None = 100):
+def detect_format(data: Any, plugins: Any = None, *, sample: int | None = 100, kinds: Iterable[str] | None = None):
     """The registered format (a :class:`plait.registry.Component`) of a dataset, row list or row.
 
     Asks the ``detect_data_format`` hook about the first row, then checks that no other format
     also claims these columns (an ambiguous shape) and that the first ``sample`` rows (every row
-    of a list) agree on standard vs conversational.
+    of a list) agree on standard vs conversational. ``kinds`` (a task's) narrows the shapes an
+    unrecognised dataset is told about to the formats of those kinds.
     """
     plugins = plugins or _default_plugins()
     columns, rows = _rows(data, None if isinstance(data, list) else sample)
     name = plugins.hook.detect_data_format(example=rows[0], columns=columns)
     formats = plugins.data_formats
     if name is None:
-        accepted = "; ".join(f"{c.obj.describe()} ({c.name})" for c in formats) or "none: no format plugin is installed"
+        told = [c for c in formats if kinds is None or c.obj.kind in kinds]
+        accepted = "; ".join(f"{c.obj.describe()} ({c.name})" for c in told) or "none: no format plugin is installed"
         raise PlaitError(
             f"cannot recognise the dataset from its columns {sorted(columns)}; accepted shapes: {accepted}; "
             "rename columns to one of these (dataset.rename_column)"
@@ -456,6 +460,29 @@ TASKS: dict[str, Task] = {
 }
 
 
+class FormatDecided(Exception):
+    """What :func:`prepare_dataset` raises under :func:`deciding_format`, once it has decided the format
+    of a dataset for a task and checked what it can check before tokenising: ``plait <method> --check``
+    runs a method's own ``prepare`` on a dataset's first rows this way, so check and run decide alike."""
+
+    def __init__(self, format_name: str, task: str, columns: list[str]):
+        super().__init__(f"{format_name} for task {task!r}")
+        self.format_name, self.task, self.columns = format_name, task, columns
+
+
+_DECIDING_FORMAT = contextvars.ContextVar("plait_deciding_format", default=False)
+
+
+@contextlib.contextmanager
+def deciding_format():
+    """Within it, :func:`prepare_dataset` stops with :class:`FormatDecided` instead of tokenising."""
+    token = _DECIDING_FORMAT.set(True)
+    try:
+        yield
+    finally:
+        _DECIDING_FORMAT.reset(token)
+
+
 def _choice(name: str, value: Any, options: Sequence[str]) -> None:
     if value not in options:
         raise PlaitError(f"{name}={value!r} is not valid; use one of {list(options)}")
@@ -502,7 +529,7 @@ def prepare_dataset(
     plugins = plugins or _default_plugins()
     dataset = read_text_from(dataset, text_field, plugins)
 
-    component = detect_format(dataset, plugins)
+    component = detect_format(dataset, plugins, kinds=spec.accepts)
     fmt: DataFormat = component.obj
     if isinstance(dataset, list):
         dataset = datasets.Dataset.from_list(dataset)
@@ -521,6 +548,8 @@ def prepare_dataset(
             raise PlaitError("assistant_only_loss=True needs conversational data (lists of messages); this dataset holds strings")
         _, sample = _rows(dataset, 100)
         chat.warn_if_templated(processing_class, [fmt.to_canonical(row) for row in sample], text_fields)
+    if _DECIDING_FORMAT.get():
+        raise FormatDecided(component.name, task, list(dataset.column_names))
 
     encoder = Encoder(processing_class, max_length, truncation_mode, completion_only_loss, assistant_only_loss,
                       chat_template_kwargs)
