@@ -26,10 +26,11 @@ import dataclasses
 import difflib
 import logging
 import os
+import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 import yaml
@@ -476,21 +477,54 @@ def model_fields(args) -> dict[str, str]:
             if name.endswith(("_model_name_or_path", "_model_path")) and isinstance(getattr(args, name), str)}
 
 
-def check_inputs(config: RunConfig, args) -> None:
+def check_inputs(config: RunConfig, args, plugins: Plugins | None = None,
+                 say: Callable[[str], None] = lambda line: None) -> None:
     """Every input of a recipe, in the order a run would meet them (:mod:`plait.data.preflight`); ``args``
-    is its built Config. Called by ``plait <method>`` (``--check`` included) after :func:`check_recipe`."""
+    is its built Config. The models and the tokenizer resolve (no weights are read), each dataset loads
+    and its first rows have a shape the method takes (the method's own ``prepare`` decides, as in the run),
+    and ``output_dir`` can hold the run. ``say`` is told one line per input checked. Called by
+    ``plait <method>`` (``--check`` included) after :func:`check_recipe`."""
     init_kwargs = config.model_init_kwargs or {}
-    preflight.model_source(config.model, "model", init_kwargs)
-    load_tokenizer(config.model, field="model")  # the tokenizer the run will use loads (no weights are read)
+    say(f"model {config.model}: {preflight.model_source(config.model, 'model', init_kwargs)}")
+    # the tokenizer the run will use loads, with the Config's overrides (no weights are read)
+    tokenizer = load_tokenizer(config.model, field="model", chat_template_path=args.chat_template_path,
+                               eos_token=args.eos_token, pad_token=args.pad_token)
+    say(f"tokenizer: {type(tokenizer).__name__}")
     if config.ref_model is not None:
-        preflight.model_source(config.ref_model, "ref_model", init_kwargs)
+        say(f"ref_model {config.ref_model}: {preflight.model_source(config.ref_model, 'ref_model', init_kwargs)}")
     for name, path in model_fields(args).items():
-        preflight.model_source(path, f"training.{name}")
-    for field in ("dataset", "eval_dataset"):
-        spec = getattr(config, field)
-        for i, one in enumerate(spec if isinstance(spec, list) else [spec] if spec is not None else []):
-            preflight.data_files(one, f"{field}[{i}]" if isinstance(spec, list) else field)  # a list is a mixture
+        say(f"{name} {path}: {preflight.model_source(path, f'training.{name}')}")
+    plugins = plugins_for(config, plugins)
+    method = plugins.methods.get(config.method, family="method").obj
+    trainer = method.trainer.__new__(method.trainer)  # its prepare, without a model: see preflight.dataset_format
+    trainer.plugins = plugins
+    splits: dict[str, list] = {"train": [], "eval": []}  # (spec, its first rows) of each dataset the run loads
+    for field, spec in dataset_specs(config):
+        preflight.data_files(spec, field)
+        head = preflight.dataset_head(spec, field)
+        say(f"{field} {preflight.dataset_label(spec)}: {preflight.dataset_source(spec, field)}, "
+            f"columns {', '.join(head.column_names)}")
+        splits["eval" if field == "eval_dataset" else "train"].append((spec, head))
+    for split, field in (("train", "dataset"), ("eval", "eval_dataset")):
+        if splits[split]:
+            rows = preflight.mixture_head([head for _, head in splits[split]], field)
+            label = ", ".join(preflight.dataset_label(spec) for spec, _ in splits[split])
+            decided = preflight.dataset_format(lambda head: trainer.prepare(head, tokenizer, args, split), rows,
+                                               field, label)
+            say(f"{field} rows for {config.method}: {decided}")
     run_folder.output_dir(args, config.method)
+    say(f"output_dir {args.output_dir}: free for this run")
+
+
+def check_launch(num_processes: int | None, accelerate_config: str | None, say: Callable[[str], None]) -> bool:
+    """Whether the command relaunches itself on several processes; if so, that the launch can start
+    on this machine (the same check :func:`plait.recipes.launch.launch_command` makes)."""
+    from .launch import inside_launched_process, launch_plan
+
+    if num_processes in (None, 1) and not accelerate_config or inside_launched_process():
+        return False
+    say(f"launch: {launch_plan(num_processes, accelerate_config).describe()}")
+    return True
 
 
 def dataset_specs(config: RunConfig) -> list[tuple[str, Any]]:
@@ -650,14 +684,19 @@ def run_method(name: str, method, args: argparse.Namespace, plugins: Plugins) ->
     accelerate_config = args.accelerate_config or settings.get("accelerate_config")
     config = load_recipe(args.config, overrides, method=name)
     # once, here: before a model loads and before N copies start (a model needing its own code is read with it)
+    # what --check checked, one line each, on stderr: stdout holds the verdict alone
+    say = (lambda line: print(f"plait: checked {line}", file=sys.stderr)) if args.check else (lambda line: None)
     with remote_code(config.training.get("trust_remote_code") is True):
-        check_inputs(config, check_recipe(config, plugins))
+        method_config = check_recipe(config, plugins)
+        say(f"{name} recipe: component names, field types and ranges, {type(method_config).__name__}")
+        check_inputs(config, method_config, plugins, say)
+    relaunch = check_launch(num_processes, accelerate_config, say)
     if args.check:
         print(f"plait: {args.config or 'the command line'} is a valid {name} recipe")
         return 0
-    from .launch import inside_launched_process, launch
+    if relaunch:
+        from .launch import launch
 
-    if (num_processes not in (None, 1) or accelerate_config) and not inside_launched_process():
         command = [name, *(["--config", str(Path(args.config).resolve())] if args.config else []), *args.extra]
         return launch(command, num_processes, accelerate_config)
     run(config, plugins)  # a launched process leaves its group at exit (PlaitTrainer, leave_process_group_at_exit)
