@@ -122,19 +122,21 @@ class Catalog:
         return self._hooks.get(plugin_name, [])
 
 
-def load_catalog(*, disable: Iterable[str] = ()) -> Catalog | Plugins:
+def load_catalog(*, disable: Iterable[str] = (), on_import_error: str | None = None) -> Catalog | Plugins:
     """The registry for listing: from the records when every plugin has a current one, else from a
-    full :func:`make_plugins` load, whose plugins are then recorded for the next time."""
+    full :func:`make_plugins` load, whose plugins are then recorded for the next time. ``on_import_error``:
+    as :func:`make_plugins`'s (the listing commands pass "warn": one broken plugin must not hide the others)."""
     import_error_policy()  # a bad switch is an error whether or not anything gets imported
     if _env_flag("PLAIT_DISABLE_PLUGIN_AUTOLOAD") or _env_flag("PLAIT_TRACE_HOOKS"):
-        return make_plugins(disable=disable)  # nothing to record, or the user wants to watch the hooks run
+        # nothing to record, or the user wants to watch the hooks run
+        return make_plugins(disable=disable, on_import_error=on_import_error)
     chosen, disabled = select_entry_points(disable)
     signatures = {ep.name: signature(ep) for ep in chosen}
     stored = _read()
     records = [stored.get(sig) for sig in signatures.values() if sig]
     if len(records) == len(chosen) and all(records):
         return Catalog(records, disabled)
-    plugins = make_plugins(disable=disable)
+    plugins = make_plugins(disable=disable, on_import_error=on_import_error)  # a broken plugin gets no record
     fresh = {signatures[name]: record_of(plugins, name) for name in plugins.infos if signatures.get(name)}
     current = set(signatures.values())  # records of replaced versions go
     _write({sig: record for sig, record in {**stored, **fresh}.items() if sig in current})

@@ -8,6 +8,7 @@ a subcommand through the ``register_commands`` hook.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.metadata
 import json
 import os
@@ -128,10 +129,12 @@ def method_command(name: str, method=None) -> Command:
         add_method_arguments(parser, name, method)
 
     def run(args: argparse.Namespace, plugins: Plugins) -> int:
+        from plait.engine.run_folder import on_command_line
         from plait.recipes.run import run_method
 
         try:
-            return run_method(name, method, args, plugins)
+            with on_command_line():  # its errors name --flags
+                return run_method(name, method, args, plugins)
         except SystemExit as exit:  # from plugin code (a loss, a data format, a callback): plait never exits here
             raise PlaitError(f"{_raiser(exit)} raised SystemExit({exit.code!r}) during 'plait {name}', which would end "
                              "the run as if it had finished, with no model saved; a plugin must raise an exception "
@@ -159,11 +162,8 @@ def _unavailable(name: str, command: Command, plugins: Plugins | Catalog) -> Com
     return attrs.evolve(command, run=run, accepts_extra=True)
 
 
-def build_parser(plugins: Plugins | Catalog, selected: str | None = None) -> argparse.ArgumentParser:
-    """Every command with its help line; only the ``selected`` one gets its arguments (building a
-    method's flags reads its whole Config, which a listing or another command never needs)."""
-    parser = argparse.ArgumentParser(prog="plait", description="Post-training for language models, as plugins.")
-    sub = parser.add_subparsers(dest="command", metavar="command", required=True)
+def commands_of(plugins: Plugins | Catalog) -> dict[str, Command]:
+    """Every ``plait`` command: the built-ins, one per registered method, and those plugins register."""
     commands = dict(BUILTIN)
     for component in plugins.methods:  # every method, third-party ones included, gets `plait <method>`
         name = component.name.split(".", 1)[1]
@@ -181,6 +181,17 @@ def build_parser(plugins: Plugins | Catalog, selected: str | None = None) -> arg
             command = attrs.evolve(method_command(command.method, target and target.obj), help=command.help) \
                 if target is not None else _unavailable(name, command, plugins)
         commands[name] = command
+    return commands
+
+
+def build_parser(plugins: Plugins | Catalog, selected: str | None = None,
+                 commands: dict[str, Command] | None = None) -> argparse.ArgumentParser:
+    """Every command with its help line; only the ``selected`` one gets its arguments (building a
+    method's flags reads its whole Config, which a listing or another command never needs)."""
+    parser = argparse.ArgumentParser(prog="plait", description="Post-training for language models, as plugins.")
+    parser.add_argument("-V", "--version", action="version", version=version_line())
+    sub = parser.add_subparsers(dest="command", metavar="command", required=True)
+    commands = commands_of(plugins) if commands is None else commands
     for name, command in commands.items():
         sub_parser = sub.add_parser(name, help=command.help, description=command.help)
         if name == selected:
@@ -194,19 +205,56 @@ def _only_lists(argv: Sequence[str]) -> bool:
     return not argv or argv[0] in ("-h", "--help", *LISTINGS)
 
 
+def version_line() -> str:
+    """`plait --version`: plait's version, where it is installed, and the Python running it."""
+    from . import __version__
+
+    return f"plait {__version__} ({os.path.dirname(os.path.abspath(__file__))}, Python {platform.python_version()})"
+
+
+def _spelling(name: str) -> str:
+    """A command name as compared: `online-dpo`, `online_dpo` and `Online_DPO` are one command."""
+    return name.lower().replace("-", "_")
+
+
+def command_name(given: str, names: Sequence[str]) -> str | None:
+    """The command ``given`` names: itself, or the one it spells with dashes for underscores (or the
+    reverse); None when it names none."""
+    if given in names:
+        return given
+    found = [name for name in names if _spelling(name) == _spelling(given)]
+    return found[0] if len(found) == 1 else None
+
+
+def unknown_command(given: str, names: Sequence[str]) -> str:
+    """One line for a command that is none of ``names``: the closest one, or where they are listed."""
+    spelt = {_spelling(name): name for name in names}
+    match = difflib.get_close_matches(_spelling(given), list(spelt), n=1, cutoff=0.6)
+    hint = f"did you mean 'plait {spelt[match[0]]}'?" if match else "'plait --help' lists the commands"
+    return f"unknown command {given!r}; {hint}"
+
+
 def main(argv: Sequence[str] | None = None, *, plugins: Plugins | None = None) -> int:
     """Run the ``plait`` command; ``plugins`` defaults to a fresh ``make_plugins()`` (tests pass their own)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if plugins is None:
-            plugins = load_catalog() if _only_lists(argv) else make_plugins()
-        parser = build_parser(plugins, selected=argv[0] if argv else None)
-        if argv and argv[0] not in BUILTIN and not argv[0].startswith("-") and f"method.{argv[0]}" not in plugins.methods:
-            # `plait dpo` with dpo's plugin disabled: say by what, not argparse's "invalid choice"
-            why = plugins.why_disabled("methods", [f"method.{argv[0]}"]) or \
-                plugins.why_disabled("commands", [f"command.{argv[0]}"])
-            if why:
-                raise PlaitError(why)
+        if argv[:1] in (["--version"], ["-V"]):  # before any plugin loads
+            print(version_line())
+            return 0
+        if plugins is None:  # a listing warns about a broken plugin and goes on; a run refuses it
+            plugins = load_catalog(on_import_error="warn") if _only_lists(argv) else make_plugins()
+        commands = commands_of(plugins)
+        if argv and not argv[0].startswith("-"):
+            name = command_name(argv[0], list(commands))
+            if name is None:
+                # `plait dpo` with dpo's plugin disabled: say by what, not argparse's "invalid choice"
+                spellings = dict.fromkeys([argv[0], argv[0].replace("-", "_"), argv[0].replace("_", "-")])
+                why = next(filter(None, (plugins.why_disabled("methods", [f"method.{spelt}"]) or
+                                         plugins.why_disabled("commands", [f"command.{spelt}"]) for spelt in spellings)),
+                           None)
+                raise PlaitError(why or unknown_command(argv[0], list(commands)))
+            argv[0] = name
+        parser = build_parser(plugins, selected=argv[0] if argv else None, commands=commands)
         args, extra = parser.parse_known_args(argv)
         args.extra = extra
         if extra and not args._command.accepts_extra:

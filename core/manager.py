@@ -167,13 +167,16 @@ def make_plugins(
     """Build a fresh plugin manager: load entry points, register ``plugins``, validate hooks.
 
     ``disable``, ``autoload`` and ``on_import_error`` ("fail" or "skip") add to / override the
-    environment switches documented in this module's docstring.
+    environment switches documented in this module's docstring. ``on_import_error="warn"`` (the listing
+    commands': ``plait --help``, ``plait plugins``, ``plait list``, ``plait env``) prints the failure to stderr
+    and goes on, whatever ``PLAIT_ON_PLUGIN_ERROR`` says: a listing is how a user finds the broken plugin.
     """
     autoload_by = "make_plugins(autoload=False) or a recipe's plugins: {autoload: false}"
     if autoload is None:
         autoload = not _env_flag("PLAIT_DISABLE_PLUGIN_AUTOLOAD")
         autoload_by = f"PLAIT_DISABLE_PLUGIN_AUTOLOAD={os.environ.get('PLAIT_DISABLE_PLUGIN_AUTOLOAD', '')}"
-    on_import_error = import_error_policy(on_import_error)
+    warn = on_import_error == "warn"
+    on_import_error = "skip" if warn else import_error_policy(on_import_error)
     trace = _env_flag("PLAIT_TRACE_HOOKS") if trace is None else trace
 
     pm = pluggy.PluginManager(hookspecs.PROJECT)
@@ -199,7 +202,10 @@ def make_plugins(
             )
             if on_import_error == "fail":
                 raise PluginLoadError(message) from err
-            logger.warning(message)
+            if warn:
+                print(f"plait: warning: {message}; carrying on without it", file=sys.stderr)
+            else:
+                logger.warning(message)
             continue
         infos[ep.name] = PluginInfo(ep.name, dist, version, ep.value)
     for plugin in plugins:

@@ -88,6 +88,11 @@ def _options_of(kind: str) -> type[Options]:
     return next((k.options for k in kinds().values() if k.singular == kind), Options)
 
 
+def kinds_name(kind: str) -> str:
+    """How ``plait list`` names the kind whose entries are called ``kind`` ("loss" -> "losses")."""
+    return next((k.listed_as for k in kinds().values() if k.singular == kind), kind + "s")
+
+
 def _close(name: str, candidates) -> str:
     match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
     return f" (did you mean {match[0]!r}?)" if match else ""
@@ -129,12 +134,16 @@ class Registry:
         if disabled:
             raise DisabledComponentError(disabled)
         # a bare variant ("sigmod") is matched against bare variants but suggested by full name
-        candidates = {n: n for n in self._entries}
-        if family:
-            candidates.update({n.split(".", 1)[1]: n for n in self._entries if n.startswith(family + ".")})
+        kin = [c.name for c in self.family(family)] if family else []
+        candidates = {n: n for n in (kin or self._entries)}  # within a family, only its own names are suggested
+        candidates.update({n.split(".", 1)[1]: n for n in kin})
         match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
         hint = f" (did you mean {candidates[match[0]]!r}?)" if match else ""
-        available = ", ".join(sorted(self._entries)) or "none are installed"
+        if kin:  # a name within a family (a dpo loss): its family is the list to read, not every kind's entry
+            listed = kinds_name(self.kind)
+            available = f"{', '.join(kin)} (the {family} {listed}; 'plait list {listed}' lists all {len(self)})"
+        else:
+            available = ", ".join(sorted(self._entries)) or "none are installed"
         note = f"; {self._note}" if self._note else ""
         raise UnknownComponentError(f"unknown {self.kind} {name!r}{hint}; available: {available}{note}")
 

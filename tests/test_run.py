@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -169,7 +170,7 @@ def test_check_validates_without_loading_a_model(recipe, capsys):
 
 def help_fields(capsys, *argv, plugins=None) -> dict[str, str]:
     with pytest.raises(SystemExit) as exit_:
-        main([*argv, "--help"], plugins=plugins)
+        main([*argv, "--help-all"], plugins=plugins)
     assert exit_.value.code == 0
     fields = {}
     for line in capsys.readouterr().out.splitlines():
@@ -179,13 +180,19 @@ def help_fields(capsys, *argv, plugins=None) -> dict[str, str]:
     return fields
 
 
+def defaults(fields: dict[str, str]) -> dict[str, str]:
+    """Each flag's default, as its help line ends: "... (default: 0.1)", or "default: 0.1" alone."""
+    return {flag: found.group(1) for flag, text in fields.items()
+            if (found := re.search(r"(?:^|\()default: (.*?)\)?$", text))}
+
+
 def test_help_lists_the_methods_config_fields_with_defaults(capsys):
-    fields = help_fields(capsys, "dpo")
+    fields = defaults(help_fields(capsys, "dpo"))
     assert fields["--beta"] == "0.1" and fields["--loss_type"] == "null" and fields["--max_length"] == "1024"
     assert fields["--learning_rate"] == "1e-06"  # DPO's default, not TrainingArguments' 5e-05
     assert fields["--lr_scheduler_type"] == "linear"  # an enum prints as its YAML spelling
     assert "--reward_funcs" not in " ".join(fields)  # DPO takes no reward functions
-    sft = help_fields(capsys, "sft")
+    sft = defaults(help_fields(capsys, "sft"))
     assert sft["--learning_rate"] == "2e-05" and sft["--packing"] == "False" and "--beta" not in sft
 
 

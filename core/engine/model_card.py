@@ -99,7 +99,9 @@ def dataset_label(spec: Any) -> str:
     files = spec.data_files if spec.data_files is not None else spec.data_dir
     if isinstance(files, dict):
         files = [name for value in files.values() for name in _names(value)]
-    return ", ".join(str(name) for name in _names(files) if name is not None)
+    # a recipe's paths are joined to its folder (recipes/../data/x.jsonl): the card names the file plainly
+    return ", ".join(os.path.normpath(name) if isinstance(name, str) and "://" not in name else str(name)
+                     for name in _names(files) if name is not None)
 
 
 def base_model_license(name: str | None) -> str | None:
@@ -181,7 +183,9 @@ def card_facts(trainer, details: CardDetails) -> dict[str, Any]:
     # the card is published (push_to_hub): a secret among the settings or a loss's parameters shows as its marker
     return masked({
         "model_name": details.model_name or os.path.basename(os.path.abspath(args.output_dir)),
-        "repo": trainer.hub_model_id or args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir)),
+        # what loads the model: its Hub repository, else its folder as the user named it (the base name alone
+        # loads it from nowhere, or from the Hub)
+        "repo": trainer.hub_model_id or args.hub_model_id or os.path.normpath(args.output_dir),
         "base_model": name_or_path,
         "base_model_hub": hub_name(name_or_path),
         "license": details.license or base_model_license(name_or_path),

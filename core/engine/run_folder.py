@@ -4,6 +4,8 @@ each failure one :class:`~plait.errors.PlaitError` line naming the field, the va
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import math
@@ -24,6 +26,28 @@ TRAINER_STATE = "trainer_state.json"  # transformers writes it last into a check
 
 # Fields that may differ when the same run is resumed or rerun (also from a moved folder).
 RESTART_FIELDS = ("resume_from_checkpoint", "overwrite_output_dir", "output_dir")
+
+
+# True while `plait <method>` runs: a setting is then named as its flag (--overwrite_output_dir), which the
+# command line and a recipe both accept, rather than as a recipe key
+_ON_COMMAND_LINE = contextvars.ContextVar("plait_on_command_line", default=False)
+
+
+@contextlib.contextmanager
+def on_command_line():
+    """Within it the run folder's errors name settings as command-line flags."""
+    token = _ON_COMMAND_LINE.set(True)
+    try:
+        yield
+    finally:
+        _ON_COMMAND_LINE.reset(token)
+
+
+def setting(name: str, value: str) -> str:
+    """How the user sets ``name`` to ``value``: ``--name value`` on the command line, ``name: value`` in YAML."""
+    if _ON_COMMAND_LINE.get():
+        return f"--{name}" if value == "true" else f"--{name} {value}"
+    return f"{name}: {value}"
 
 
 def _number(args, name: str, description: str, ok) -> None:
@@ -123,12 +147,13 @@ def output_dir(args, method: str) -> None:
         return
     if not os.path.isdir(out) or getattr(args, "overwrite_output_dir", False):
         return
-    remedy = "set overwrite_output_dir: true to train over it, or pick another output_dir"
+    verb, other = ("pass", "--output_dir") if _ON_COMMAND_LINE.get() else ("set", "output_dir")
+    remedy = f"{verb} {setting('overwrite_output_dir', 'true')} to train over it, or pick another {other}"
     found = checkpoints(out)
     if found:
         names = ", ".join(p.name for p in found[-3:])
         raise PlaitError(f"output_dir={out!r} holds checkpoints of an earlier run ({names}); resume it with "
-                         f"resume_from_checkpoint: latest, {remedy}")
+                         f"{setting('resume_from_checkpoint', 'latest')}, {remedy}")
     metadata_path = Path(out) / RUN_METADATA
     if metadata_path.exists():
         theirs = _metadata(metadata_path) or {}

@@ -26,6 +26,7 @@ import dataclasses
 import difflib
 import logging
 import os
+import re
 import sys
 import types
 import typing
@@ -48,6 +49,7 @@ from plait.engine.config import (
     parse_run_config,
     yaml_load,
 )
+from plait.engine.model_card import TRAINING_FIELDS
 from plait.errors import PlaitError
 from plait.manager import Plugins, make_plugins
 from plait.registry import UnknownComponentError
@@ -170,9 +172,32 @@ def parse_overrides(extra: list[str]) -> dict[str, list[str]]:
             overrides[key] = [value] if eq else []
         elif key is not None:
             overrides[key].append(token)
+        elif Path(token).suffix.lower() in (".yaml", ".yml"):  # `plait dpo recipe.yaml`
+            raise PlaitError(f"unexpected argument {token!r}; a recipe is given as --config {token}")
         else:
             raise PlaitError(f"unexpected argument {token!r}; config fields are given as --field value")
     return overrides
+
+
+def _missing_value(key: str, annotation: Any) -> None:
+    """``--beta`` followed by another flag or nothing: no value, which only a bool field may take (as true)."""
+    if isinstance(annotation, str):  # a field declared under `from __future__ import annotations`
+        try:
+            annotation = eval(annotation, {"typing": typing, **vars(typing)})  # noqa: S307 - a declared type's text
+        except Exception:  # noqa: BLE001 - a name of its own module: the field's check will judge the value
+            return
+    if annotation is not None and not _fits(annotation, True):
+        what = getattr(annotation, "__name__", None) or str(annotation)
+        raise PlaitError(f"--{key}: the value is missing; write --{key} VALUE ({what})")
+
+
+def _underscored(key: str, known) -> str:
+    """``--max-steps`` for ``--max_steps`` (and ``--training.max-steps``): a dashed flag names the field spelt
+    with underscores, where no field is spelt with its dashes."""
+    prefix = "training." if key.startswith("training.") else ""
+    head, dot, rest = key[len(prefix):].partition(".")
+    spelt = head.replace("-", "_")
+    return f"{prefix}{spelt}{dot}{rest}" if "-" in head and head not in known and spelt in known else key
 
 
 def _typed(tokens: list[str], annotation: Any = None) -> Any:
@@ -212,11 +237,15 @@ def override_values(raw: Mapping[str, list[str]], config_cls: type, command: str
     trl = trl_fields()
     values: dict[str, Any] = {}
     for key, tokens in raw.items():
+        key = _underscored(key, {*top, *training, *trl})
         head = key.split(".", 1)[0]
         if key.startswith("training."):
             key, head = key[len("training."):], key[len("training."):].split(".", 1)[0]
         if head == "method":
             raise PlaitError(f"--method: the method is the command ({command!r}); remove --method")
+        annotation = top[head].type if head in top else training[head].type if head in training else trl.get(key)
+        if not tokens and key == head:
+            _missing_value(key, annotation)
         if head in top and head != "training":
             values[key] = _typed(tokens, top[head].type if key == head else None)
         elif head in training:
@@ -605,48 +634,138 @@ def _rows(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"  {name.ljust(width)}{text}".rstrip() for name, text in rows)
 
 
-def fields_help(name: str, method) -> str:
-    """The ``plait <method> --help`` epilog: every field the command accepts, with its default."""
-    fields = config_fields(method.config)
-    own = {a.name for a in attrs.fields(method.config.params_class)} if hasattr(method.config, "params_class") else set(fields)
-    own |= {f for f in fields if f not in config_fields(_training_arguments())}
-    top = [("--model PATH", "policy: a local folder or hub id (required)"),
-           ("--dataset FILE|SPEC", "training data: a .jsonl/.json/.csv/.parquet file, a dataset name, "
-                                   "or --dataset.FIELD (path, name, data_files, split) (required)"),
-           ("--eval_dataset FILE|SPEC", "evaluation data, same forms"),
-           ("--ref_model PATH", "reference policy (methods with a reference; default: a frozen copy)"),
-           ("--peft.FIELD VALUE", "LoRA adapters: peft.LoraConfig fields, e.g. --peft.r 16 --peft.target_modules all-linear"),
-           ("--model_init_kwargs.FIELD VALUE", "from_pretrained keyword arguments, e.g. --model_init_kwargs.dtype bfloat16")]
-    if "loss" in fields:
-        top.append(("--loss NAME ...", "losses by registry name (or a YAML list of {name, weight, ...})"))
-    if "reward_funcs" in fields:
-        top.append(("--reward_funcs NAME ...",
-                    "reward functions: registry names, import paths pkg.module:func, or reward-model folders"))
-    config_name = method.config.__name__
-    trl = [(f"--{key}", _trl_help(key)) for key in trl_fields()]
-    parts = [
-        "recipe fields (top level of the YAML):\n" + _rows(top),
-        "TRL's script flags (also the top-level keys of a TRL recipe, where every field is at the top level):\n"
-        + _rows(trl),
-        f"{config_name} fields (the recipe's training: section; --FIELD VALUE overrides, several values make a list):\n"
-        + _rows([(f"--{f}", _default(fields[f])) for f in fields if f in own]),
-        "transformers.TrainingArguments fields (also in training:):\n"
-        + _rows([(f"--{f}", _default(fields[f])) for f in fields if f not in own]),
-        "launching: --num_processes N runs N data-parallel processes (CPU: torch.distributed with gloo);\n"
-        f"--accelerate_config NAME|PATH picks a preset ({', '.join(presets())}) or a file; both may\n"
-        "also be top-level keys of the recipe, as may env: {VARIABLE: value}.",
-    ]
-    return "\n\n".join(parts)
+HELP_ROWS = 8  # flags per group in the short `plait <method> --help`; --help-all lists every one
+# TrainingArguments fields a run is most often given, first in their group (the short --help shows these): where
+# it goes, how long and how fast it trains, how it logs and saves; then the rest the model card lists
+COMMON_TRAINING = ("output_dir", "max_steps", "num_train_epochs", "learning_rate", "per_device_train_batch_size",
+                   "gradient_accumulation_steps", "logging_steps", "save_strategy", "report_to", "bf16")
 
 
-def _trl_help(key: str) -> str:
+def _first_sentence(text: str, limit: int = 110) -> str:
+    """A field's help as one line: its first sentence, shortened to ``limit`` characters."""
+    text = " ".join(str(text or "").split())
+    match = re.search(r"(?<=[.!?])\s", text)
+    text = (text[:match.start()] if match else text).rstrip(".")
+    return text if len(text) <= limit else text[:limit - 1].rstrip() + "…"
+
+
+def _described(field: dataclasses.Field, *origins: dataclasses.Field | None) -> str:
+    """One line for a field: its help (its own ``metadata["help"]``, else the field it came from), and its default."""
+    helps = [f.metadata.get("help") for f in (field, *origins) if f is not None and f.metadata]
+    text = _first_sentence(next((h for h in helps if h), ""))
+    return f"{text} (default: {_default(field)})" if text else f"default: {_default(field)}"
+
+
+@attrs.frozen
+class FlagGroup:
+    """One group of ``plait <method> --help``: its title and (flag, description) rows, the common ones first."""
+
+    title: str
+    rows: tuple[tuple[str, str], ...]
+    common: int  # how many of the first rows the short --help shows
+
+
+def flag_groups(name: str, method) -> list[FlagGroup]:
+    """The flags of ``plait <name>`` grouped by where each field comes from: the recipe's top level and TRL's
+    script arguments (model, data), the method's own params class (method), the generation mixin and the
+    fields generation backends contribute (generation), transformers' TrainingArguments and the chassis'
+    fields (training), and the launch settings (launching). Each flag is listed once, in its first group."""
+    from transformers import TrainingArguments
+
+    from plait.engine.config import ModelLoading, contributed_fields
+    from plait.online.generation import GenerationChoice, SamplingParams
     from plait.trl import script_args
 
-    for cls in (script_args.ScriptArguments, script_args.ModelConfig, script_args.DatasetMixtureConfig):
-        for field in dataclasses.fields(cls):
-            if field.name == key:
-                return f"{field.metadata.get('help', '')} (default: {_default(field)})"
-    return "a reward model's folder or hub id, scored first (GRPO, RLOO)"
+    fields = config_fields(method.config)
+    params = getattr(method.config, "params_class", None)
+    params_fields = [a.name for a in attrs.fields(params)] if params is not None else []
+    declared_here = set(getattr(params, "__annotations__", {})) if params is not None else set()
+    generating = params is not None and issubclass(params, GenerationChoice)
+    generation = ({a.name for a in attrs.fields(GenerationChoice)} | {a.name for a in attrs.fields(SamplingParams)}
+                  if generating else set()) | (set(contributed_fields(params)) if params is not None else set())
+    loading = [a.name for a in attrs.fields(ModelLoading)]
+    trained = config_fields(TrainingArguments)
+
+    def config_row(field: str) -> tuple[str, str]:
+        return f"--{field}", _described(fields[field], trained.get(field))
+
+    def trl_rows(*classes) -> list[tuple[str, str]]:
+        return [(f"--{f.name}", _described(f)) for cls in classes for f in dataclasses.fields(cls)]
+
+    model_top = [("--model PATH", "policy: a local folder or hub id (required)"),
+                 ("--ref_model PATH", "reference policy (methods with a reference; default: a frozen copy)"),
+                 ("--peft.FIELD VALUE", "LoRA adapters: peft.LoraConfig fields, e.g. --peft.r 16 --peft.target_modules "
+                                        "all-linear"),
+                 ("--model_init_kwargs.FIELD VALUE", "from_pretrained keyword arguments, e.g. "
+                                                     "--model_init_kwargs.dtype bfloat16")]
+    data_top = [("--dataset FILE|SPEC", "training data: a .jsonl/.json/.csv/.parquet file, a dataset name, or "
+                                        "--dataset.FIELD (path, name, data_files, split) (required)"),
+                ("--eval_dataset FILE|SPEC", "evaluation data, same forms"),
+                ("--test_split_size FRACTION", "hold out this share of the training data for evaluation")]
+    method_top = []
+    if "loss" in fields:
+        method_top.append(("--loss NAME ...", "losses by registry name (or a YAML list of {name, weight, ...})"))
+    if "reward_funcs" in fields:
+        method_top.append(("--reward_funcs NAME ...", "reward functions: registry names, import paths "
+                                                      "pkg.module:func (from the working directory too), or "
+                                                      "reward-model folders"))
+    reward_model = [("--reward_model_name_or_path", "a reward model's folder or hub id, scored first (GRPO, RLOO)")] \
+        if "reward_funcs" in fields else []
+    sampling = [a.name for a in attrs.fields(SamplingParams)]
+    generation_order = [f for f in sampling if f in generation] + [f for f in fields if f in generation
+                                                                   and f not in sampling]
+    method_fields = [f for f in params_fields if f in declared_here] + [f for f in params_fields if f not in declared_here]
+    method_fields = [f for f in method_fields if f not in generation and f in fields]
+    common_training = [f for f in (*COMMON_TRAINING, *TRAINING_FIELDS) if f in fields]
+    chassis = [f for f in fields if f not in trained and f not in params_fields and f not in generation
+               and f not in loading]
+    groups = [
+        ("model (the recipe's model:, ref_model:, peft:, model_init_kwargs:; TRL's model flags)",
+         [*model_top, *trl_rows(script_args.ModelConfig), *reward_model,
+          *(config_row(f) for f in loading if f in fields)], len(model_top) + 1),
+        ("data (the recipe's dataset:, eval_dataset:; TRL's dataset flags)",
+         [*data_top, *trl_rows(script_args.ScriptArguments, script_args.DatasetMixtureConfig)], len(data_top) + 1),
+        (f"method ({method.config.__name__}'s own fields, in the recipe's training: section)",
+         [*method_top, *(config_row(f) for f in method_fields)], HELP_ROWS),
+        ("generation (how completions are sampled; also in training:)",
+         [config_row(f) for f in generation_order if f in fields], HELP_ROWS),
+        ("training (transformers.TrainingArguments and plait's run fields; also in training:)",
+         [*(config_row(f) for f in common_training),
+          *(config_row(f) for f in fields if f in trained and f not in common_training and f not in method_fields
+            and f not in generation and f not in loading),
+          *(config_row(f) for f in chassis)], len([f for f in COMMON_TRAINING if f in fields])),
+        ("launching (also top-level keys of a recipe)",
+         [("--num_processes N", "train on N data-parallel processes, relaunching this command (CPU: gloo)"),
+          ("--accelerate_config NAME|PATH", f"a launch preset ({', '.join(presets())}) or an accelerate config file"),
+          ("env: {VARIABLE: value}", "recipe key: environment variables set before the run starts")], 3),
+    ]
+    seen: set[str] = set()
+    result = []
+    for title, rows, common in groups:
+        unique = []
+        for flag, text in rows:
+            key = flag.split()[0]
+            if key not in seen:
+                seen.add(key)
+                unique.append((flag, text))
+        if unique:
+            result.append(FlagGroup(title, tuple(unique), common))
+    return result
+
+
+def fields_help(name: str, method, *, every: bool = False) -> str:
+    """The ``plait <method> --help`` epilog: each group's common flags with a line each (``every``: all of them,
+    as ``--help-all`` shows). Every field is also a key of the recipe."""
+    parts = []
+    for group in flag_groups(name, method):
+        shown = group.rows if every else group.rows[:group.common]
+        text = f"{group.title}:\n" + _rows(list(shown))
+        if len(shown) < len(group.rows):
+            text += f"\n  ... and {len(group.rows) - len(shown)} more: plait {name} --help-all"
+        parts.append(text)
+    note = ("--FIELD VALUE sets a field (several values make a list; --field-name is --field_name); "
+            "the command line wins over the recipe")
+    return "\n\n".join([*parts, note])
 
 
 def _training_arguments():
@@ -655,14 +774,29 @@ def _training_arguments():
     return TrainingArguments
 
 
+class _HelpAll(argparse.Action):
+    """``--help-all``: the help with every flag of every group."""
+
+    def __init__(self, option_strings, dest, name: str = "", method=None, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+        self.command, self.method = name, method
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.method is not None:
+            parser.epilog = fields_help(self.command, self.method, every=True)
+        parser.print_help()
+        parser.exit()
+
+
 def add_method_arguments(parser: argparse.ArgumentParser, name: str, method=None) -> None:
     """The flags of ``plait <name>`` (``method``: the method's record, whose fields --help lists)."""
+    parser.add_argument("--help-all", action=_HelpAll, name=name, method=method,
+                        help="show every flag of every group, with its description and default, and exit")
     parser.add_argument("--config", help="YAML recipe, plait's (see examples/recipes/) or TRL's flat one; optional "
                                          "when --model_name_or_path (--model) and --dataset_name (--dataset) are given")
-    parser.add_argument("--num_processes", type=int, metavar="N",
-                        help="train on N processes (data parallel), relaunching this command")
-    parser.add_argument("--accelerate_config", metavar="NAME|PATH",
-                        help=f"launch preset ({', '.join(presets())}) or an accelerate config file")
+    # listed under "launching" below
+    parser.add_argument("--num_processes", "--num-processes", type=int, metavar="N", help=argparse.SUPPRESS)
+    parser.add_argument("--accelerate_config", "--accelerate-config", metavar="NAME|PATH", help=argparse.SUPPRESS)
     parser.add_argument("--check", action="store_true",
                         help="check the recipe (names, types, ranges, data files) and exit without training")
     parser.usage = f"plait {name} [--config RECIPE] [--FIELD VALUE ...] [--num_processes N] [--accelerate_config NAME|PATH]"
