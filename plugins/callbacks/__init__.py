@@ -1,0 +1,1 @@
+"""Built-in lifecycle plugins that attach transformers ``TrainerCallback``s to every run."""
