@@ -18,8 +18,7 @@ and the tiny offline model in ``runs/tiny-model``, as after the README's quickst
 
 ``needs=vllm|gpu|hub|network`` marks a block this machine cannot run: it is skipped with the reason,
 and the vLLM ones run in the vLLM venv instead (tests/test_vllm_docs.py, ``make test-vllm``).
-``xfail="why"`` marks a block that shows the intended use and fails today: it must still fail (when it
-passes, drop the marker). docs/writing-plugins.md and the README's "Writing a plugin" section are
+docs/writing-plugins.md and the README's "Writing a plugin" section are
 executed against the installed example plugin by tests/test_example_plugin.py; the README's
 quickstart is followed verbatim on a fresh clone by ``test_readme_quickstart_on_a_fresh_clone``.
 """
@@ -176,9 +175,6 @@ def run_block(block: Block, cwd: Path, venv: Path, scratch: Path) -> None:
         program.write_text(block.body)
         result = subprocess.run([str(venv / "bin" / "python"), str(program)], cwd=cwd, env=environment(venv),
                                 capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
-        if "xfail" in block.info:
-            assert result.returncode != 0, f"{block.where} runs now; remove its xfail marker ({block.info['xfail']})"
-            pytest.xfail(f"{block.where}: {block.info['xfail']}")
         assert result.returncode == 0, f"{block.where} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         if block.output is not None:
             assert shown_in_order(block.output.body.splitlines(), result.stdout.splitlines()), (
