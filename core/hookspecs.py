@@ -47,13 +47,7 @@ class Options:
     """The options one component was registered with, typed per kind (no options: this class).
 
     Read them as attributes (``component.options.consumes``); an option left unset is its default.
-    ``get(name, default)`` remains for readers not yet moved to attributes: ``default`` for an option
-    left unset (None) or unknown to the kind.
     """
-
-    def get(self, name: str, default: Any = None) -> Any:
-        value = getattr(self, name, None)
-        return default if value is None else value
 
     def declared(self) -> dict[str, Any]:
         """The options that differ from their defaults: what the plugin declared."""

@@ -333,9 +333,8 @@ def resolve_backend(plugins, args):
     name, backends = args.params.backend_name(), plugins.generation_backends
     component = (backends.default(SAMPLING, "sampling completions when a config names no backend") if name is None
                  else backends.get(name, family="generation"))
-    check = component.options.get("check")
-    if check is not None:
-        check(args)
+    if component.options.check is not None:
+        component.options.check(args)
     return component
 
 
