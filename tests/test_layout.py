@@ -34,6 +34,7 @@ KIND_FOLDERS = {
     "plugins/generation": {"register_generation_backends", "register_commands"},  # backends, `plait vllm-serve`
     "plugins/reward_sources": {"resolve_reward"},
     "plugins/commands": {"register_commands"},  # subcommands of their own (`plait reward`, TRL's names)
+    "plugins/callbacks": set(),  # lifecycle only: TrainerCallbacks for every run (metrics.jsonl)
     "plugins/judges": {"register_judges"},  # online DPO's judges (reward_model, rules, pairwise)
     "plugins/environments": {"register_environments"},  # multi-turn environments, tools, tool-call formats
     "losses": {"register_losses"},
@@ -108,7 +109,7 @@ def test_each_plugin_module_registers_only_its_folders_kind(path):
     hooks = {caller.name for caller in pm.get_hookcallers(pm.get_plugins().pop())} - LIFECYCLE
     folder = str(path.parent.relative_to(ROOT))
     allowed = KIND_FOLDERS[folder]
-    assert hooks and hooks <= allowed, (
+    assert (hooks or not allowed) and hooks <= allowed, (  # a lifecycle folder (allowed: none) registers nothing
         f"{path.relative_to(ROOT)} implements {sorted(hooks) or 'no kind hook'}; modules in {folder}/ implement "
         f"{sorted(allowed)}: move it to the folder of the kind it registers")
 
