@@ -332,3 +332,32 @@ def test_two_processes_share_groups_and_stay_in_sync(tmp_path):
     assert len(calls[0]) == len(calls[1]) == 3
     for mine, theirs in zip(*calls):  # one group = this process's 2 rows + the other's 2 rows
         assert len(set(mine)) == 1 and mine == theirs
+
+
+@pytest.mark.parametrize("method", ["rloo", "online_dpo", "ppo", "distill", "gkd", "async_grpo"])
+def test_online_methods_refuse_auto_find_batch_size(tmp_path, method):
+    """Halving the batch after an out-of-memory error would split a rollout's groups: every method that
+    learns from its own samples refuses it when its recipe is checked, before a model loads."""
+    from pathlib import Path
+
+    from plait.recipes.run import check_recipe, load_recipe
+
+    recipe = Path(__file__).resolve().parents[1] / "examples" / "recipes" / f"{method}_tiny.yaml"
+    config = load_recipe(recipe, {"auto_find_batch_size": True, "output_dir": str(tmp_path)}, method=method)
+    with pytest.raises(PlaitError, match="^auto_find_batch_size=True: halving"):
+        check_recipe(config)
+
+
+def test_grpo_refuses_auto_find_batch_size_at_check(tmp_path):
+    """The same through the installed command: one line at --check."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([str(Path(sys.executable).parent / "plait"), "grpo", "--config",
+                             "examples/recipes/grpo_tiny.yaml", "--model", str(tiny_model_path()),
+                             "--output_dir", str(tmp_path / "out"), "--auto_find_batch_size", "--check"],
+                            capture_output=True, text=True, timeout=300, cwd=root)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("plait: error: auto_find_batch_size=True: halving")

@@ -248,6 +248,11 @@ class RolloutTrainer(PlaitTrainer):
 
     # -- construction -------------------------------------------------------------------------
     def validate(self, args) -> None:
+        if args.auto_find_batch_size:  # transformers halves the batch on out-of-memory and retries
+            raise PlaitError("auto_find_batch_size=True: halving the batch after an out-of-memory error would split "
+                             "the groups of completions each rollout is made of (TRL refuses it too); set "
+                             "auto_find_batch_size=False and lower per_device_train_batch_size (with "
+                             "gradient_accumulation_steps to keep the batch)")
         self.sizes = self.rollout_plan(args)
         self.backend_component = resolve_backend(self.plugins, args)  # unknown names and options fail now
 
