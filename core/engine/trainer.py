@@ -280,6 +280,16 @@ class PlaitTrainer(Trainer):
         resume_from_checkpoint = run_folder.resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """transformers' ``evaluate``; a dataset given here (rows as the user has them, or a dict of them) is
+        prepared as the constructor prepares ``eval_dataset``, so ``trainer.evaluate(eval_dataset=rows)``
+        works as in TRL. The trainer's own prepared datasets (or a name of one) pass as they are."""
+        own = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+        raw = eval_dataset is not None and not isinstance(eval_dataset, (str, dict))  # a dict comes back item by item
+        if raw and not any(eval_dataset is dataset for dataset in own):
+            eval_dataset = self.prepare(eval_dataset, self.processing_class, self.args, metric_key_prefix)
+        return super().evaluate(eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
     def auxiliary_modules(self) -> dict[str, torch.nn.Module]:
         """Modules trained beside the policy (a value model, extra heads), by the checkpoint
         subfolder each is saved in: moved to the device, saved (``save_pretrained``) with every
