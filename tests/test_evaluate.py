@@ -40,3 +40,13 @@ def test_evaluate_takes_raw_rows(tmp_path, method):
     for given, prefix in ((rows, "eval"), (trainer.eval_dataset, "eval"), (None, "eval"), ({"held": rows}, "eval_held")):
         metrics = trainer.evaluate(eval_dataset=given)
         assert math.isfinite(metrics[f"{prefix}_loss"]), (given, metrics)
+
+
+@pytest.mark.parametrize("method", ["dpo", "kto", "sft"])
+def test_the_trained_model_carries_the_method_tags(tmp_path, method):
+    """As TRL's trainers tag theirs (``model.add_model_tags``); plait's tags are ``["plait", <method>]``."""
+    record = plait.default_plugins().methods.get(method, family="method").obj
+    args = record.config(output_dir=str(tmp_path), report_to="none", per_device_train_batch_size=2, max_steps=1,
+                         model_init_kwargs={"dtype": "float32"})
+    trainer = record.trainer(str(tiny_model_path()), args=args, train_dataset=Dataset.from_list(ROWS[method]))
+    assert trainer.model.model_tags == ["plait", method] == trainer._tag_names

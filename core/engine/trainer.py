@@ -173,10 +173,17 @@ class PlaitTrainer(Trainer):
             trained = self.trained_module(self._policy)
             if trained is not self._policy:
                 self.model = self.model_wrapped = self._wrapper = trained
+            if hasattr(self._policy, "add_model_tags"):  # as TRL tags its models: the card push_to_hub writes
+                self._policy.add_model_tags(self._tag_names)
             if self._router_aux_loss_coef:
                 self._add_router_aux_loss(self._policy)  # the outermost policy: PEFT passes the request on
             self._offload_activations = args.activation_offloading and offloading_applies(args.device)
             self.after_init()
+
+    @property
+    def _tag_names(self) -> list[str]:
+        """The tags a trained model carries (``model.model_tags``): TRL's trainers have ``["trl", <method>]``."""
+        return ["plait", self.method]
 
     def release_process_group(self) -> None:
         """Drop the distributed wrappers (DDP) that hold the process group, at interpreter exit."""
