@@ -106,6 +106,14 @@ def _warn_emulated_once(reason: str) -> None:
 
 NONFINITE_POLICIES = ("error", "skip")
 
+#: Help of the checkpointing fields plait adds where this transformers' TrainingArguments lacks them (< 5.20).
+CHECKPOINTING_HELP = {
+    "activation_checkpointing": "recompute activations in backward instead of keeping them: less memory, slower "
+                                "steps (null: on)",
+    "activation_checkpointing_kwargs": "keyword arguments for torch's checkpoint (e.g. use_reentrant; "
+                                       "null: non-reentrant)",
+}
+
 
 def _optional_text(instance, attribute, value) -> None:
     if value is not None and (not isinstance(value, str) or not value):
@@ -242,9 +250,12 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
     # that optimizer step's update and go on ("skip"; the weights stay finite). See PlaitTrainer.
     fields.append(("on_nonfinite_loss", str, _field_spec("error", "a NaN/inf loss or gradient: 'error' stops the "
                                                                   "run, 'skip' drops that optimizer step")))
-    fields += [(n, annotation, dataclasses.field(default=d)) for n, annotation, d in versions.CONFIG_FIELDS]
-    own = {f[0] for f in fields}
+    # The checkpointing names plait re-declares (plait.data.versions) keep TrainingArguments' help where it has them
     inherited = config_fields(TrainingArguments)
+    fields += [(n, annotation, dataclasses.field(default=d, metadata=inherited[n].metadata if n in inherited else
+                                                 {"help": CHECKPOINTING_HELP[n]}))
+               for n, annotation, d in versions.CONFIG_FIELDS]
+    own = {f[0] for f in fields}
     for field_name, value in {"bf16": None, "fp16": None, "dataloader_pin_memory": None, **defaults}.items():
         if field_name not in own:
             factory = (lambda v=value: list(v)) if isinstance(value, list) else None

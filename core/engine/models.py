@@ -10,7 +10,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, ClassVar, Mapping, TypeVar
 
 import attrs
 import torch
@@ -245,6 +245,12 @@ class ReferenceSync:
     """TR-DPO's knobs (Gorbatovski et al. 2024), shared by every method with a reference; TRL's
     names and defaults. ``sync_ref_model`` mixes the policy into the reference every
     ``ref_model_sync_steps`` optimizer steps with weight ``ref_model_mixup_alpha``."""
+
+    field_help: ClassVar[dict[str, str]] = {
+        "sync_ref_model": "mix the policy into the reference model periodically (TR-DPO)",
+        "ref_model_mixup_alpha": "policy weight alpha of each mix: ref = alpha * policy + (1 - alpha) * ref",
+        "ref_model_sync_steps": "optimizer steps between two mixes of the policy into the reference",
+    }
 
     sync_ref_model: bool = False
     ref_model_mixup_alpha: float = attrs.field(default=0.6, validator=in_range(0.0, 1.0))

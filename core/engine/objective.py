@@ -142,6 +142,12 @@ class LossChoice:
     built; names are resolved against the registry when the trainer builds its objective.
     """
 
+    field_help: ClassVar[dict[str, str]] = {
+        "loss_type": "loss name, or a list of names summed with loss_weights (null: the method's default)",
+        "loss_weights": "one weight per loss_type entry, in order (null: 1 each)",
+        "loss": "plait's loss list [{name, weight, ...params}], instead of loss_type (plait list losses)",
+    }
+
     default_loss: ClassVar[str]
     loss_type: str | list | None = None
     loss_weights: list | None = None

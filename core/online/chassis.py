@@ -94,6 +94,13 @@ class RolloutParams(GenerationChoice, LossChoice):
     their ``default_loss``.
     """
 
+    field_help: ClassVar[dict[str, str]] = {
+        "max_prompt_length": "prompts longer than this many tokens are dropped when the data is prepared (null: none)",
+        "shuffle_dataset": "draw the prompts in a new random order each pass over the dataset (seeded by seed)",
+        "model_init_kwargs": "keyword arguments for the policy's from_pretrained (dtype, attn_implementation, ...)",
+        "dataset_num_proc": "worker processes that tokenise the dataset (null: the main process only)",
+    }
+
     max_prompt_length: int | None = attrs.field(default=None, validator=_optional(int_at_least(1)))
     shuffle_dataset: bool = True
     model_init_kwargs: dict | None = None
@@ -119,6 +126,28 @@ class OnlineParams(ReferenceSync, AgentChoice, RolloutParams, RewardChoice):
     of it in a micro-batch (:func:`packed_token_logprobs`).
 
     Subclasses name their ``default_loss``."""
+
+    field_help: ClassVar[dict[str, str]] = {
+        "num_generations": "completions sampled per prompt: the group its advantages are computed in (at least 2)",
+        "num_generations_eval": "completions per prompt in evaluation (null: num_generations)",
+        "generation_batch_size": "completions sampled at once over all processes (null: from steps_per_generation)",
+        "steps_per_generation": "micro-batches each generation batch is cut into (null: gradient_accumulation_steps)",
+        "max_completion_length": "most tokens sampled per completion",
+        "temperature": "sampling temperature (1.0: the policy's own distribution)",
+        "vllm_importance_sampling_correction": "weight the loss by pi_old/pi_sampler where a backend reports log-probs",
+        "vllm_importance_sampling_mode": "that ratio per 'token' or 'sequence', truncated or masked outside its bounds",
+        "vllm_importance_sampling_clip_max": "upper bound of the sampler importance ratio (null: unbounded above)",
+        "vllm_importance_sampling_clip_min": "lower bound of the sampler importance ratio (null: unbounded below)",
+        "vllm_importance_sampling_cap": "deprecated name of vllm_importance_sampling_clip_max; wins when given",
+        "num_iterations": "optimisation passes over each generation batch before sampling again",
+        "epsilon": "clip range: the policy ratio is clipped to [1 - epsilon, 1 + epsilon_high]",
+        "epsilon_high": "upper clip range (DAPO's clip-higher; null: epsilon)",
+        "delta": "cap on the unclipped ratio term (two-sided clipping; null: no cap)",
+        "beta": "weight of the KL penalty to the reference model (0: no reference is loaded)",
+        "mask_truncated_completions": "leave completions that never reached EOS out of the loss",
+        "padding_free": "log-probs over rows packed back to back, no padding (null: where the attention allows)",
+        "prefix_sharing": "compute each prompt once for all its completions in a micro-batch (null: where possible)",
+    }
 
     # generation
     num_generations: int = attrs.field(default=8, validator=int_at_least(2))

@@ -27,7 +27,7 @@ every token after the prompt, inserted ones too), or when the next environment t
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import attrs
 import torch
@@ -59,6 +59,14 @@ class AgentChoice:
     (or ``{name, **options}``) that drives each episode. ``rollout_func``: a callable or import path
     ``(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", "env_mask"?, **columns}``.
     """
+
+    field_help: ClassVar[dict[str, str]] = {
+        "tools": "functions or import paths 'pkg.module:func' the model may call during a rollout",
+        "tool_call_parser": "registered parser of the model's tool calls (null: the tokenizer's own, else hermes)",
+        "tool_timeout": "seconds one tool call may run (null: no limit)",
+        "environment": "a registered environment by name or {name, ...options} (plait list environments)",
+        "rollout_func": "a callable or import path (prompts, trainer) -> token ids and log-probs, in place of sampling",
+    }
 
     tools: list | None = None
     tool_call_parser: str | None = None

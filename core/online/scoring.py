@@ -34,7 +34,7 @@ import numbers
 import os
 import signal
 import threading
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import attrs
 import torch
@@ -641,6 +641,14 @@ class RewardChoice:
     with ``reward_weights``. ``reward_error_policy`` says what a reward that raises or times out
     does: ``fail`` stops the run naming it, ``none`` scores that batch None (counted).
     """
+
+    field_help: ClassVar[dict[str, str]] = {
+        "reward_funcs": "reward names, callables, import paths or reward-model folders, summed (plait list rewards)",
+        "reward_weights": "one weight per reward function, in order (null: each one's own, 1 by default)",
+        "reward_error_policy": "a reward that raises or times out: 'fail' stops the run, 'none' scores that call None",
+        "reward_timeout": "seconds one reward call may take before reward_error_policy applies (null: no limit)",
+        "max_unscored_batches": "generation batches in a row with no scored completion before the run stops",
+    }
 
     reward_funcs: Any = None
     reward_weights: list | None = None

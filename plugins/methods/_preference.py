@@ -34,6 +34,19 @@ CONFIG_DEFAULTS = {"learning_rate": 1e-6, "logging_steps": 10, "remove_unused_co
 class PreferenceParams(LossChoice):
     """The fields ORPOConfig and CPOConfig share (TRL 1.16's names and defaults)."""
 
+    field_help: ClassVar[dict[str, str]] = {
+        "beta": "inverse temperature beta of the preference loss (larger: a sharper preference)",
+        "max_length": "most tokens of prompt + completion; longer rows are cut per truncation_mode (null: no limit)",
+        "max_completion_length": "TRL's limit for encoder-decoder models; ignored for causal LMs",
+        "truncation_mode": "'keep_start' cuts the completion's end, 'keep_end' the prompt's start first",
+        "pad_to_multiple_of": "round batch lengths up to this multiple (null: never; auto: 128 on AWS Neuron only)",
+        "padding_value": "TRL's padding id; must stay null (plait pads with the tokenizer's pad token)",
+        "generate_during_eval": "TRL's sampling in evaluation; must stay false (use LogCompletionsCallback)",
+        "is_encoder_decoder": "TRL's encoder-decoder switch; must stay null (plait trains causal LMs)",
+        "model_init_kwargs": "keyword arguments for the policy's from_pretrained (dtype, attn_implementation, ...)",
+        "dataset_num_proc": "worker processes that tokenise the dataset (null: the main process only)",
+    }
+
     beta: float = attrs.field(default=0.1, validator=positive)
     max_length: int | None = 1024
     # TRL reads it for encoder-decoder models only; plait trains causal LMs, where TRL ignores it too

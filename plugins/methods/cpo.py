@@ -9,6 +9,8 @@ Data, collation and the policy's log-probs are the reference-free preference met
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from plait import Method, PlaitError, hookimpl
@@ -27,6 +29,13 @@ class CPOParams(PreferenceParams):
     """CPO's knobs, TRL 1.16's names. ``cpo_alpha`` None means TRL's weight: 1.0, or 0.0 with a loss
     registered with ``cpo_alpha=0.0`` (``cpo.alphapo``, as TRL sets it for loss_type='alphapo').
     ``alpha`` shapes the rewards of every CPO loss that takes it (AlphaPO's u = (1 − e^(−αℓ))/α)."""
+
+    field_help: ClassVar[dict[str, str]] = {
+        "label_smoothing": "probability that a pair's preference label is flipped (0 to 0.5; losses that take it)",
+        "cpo_alpha": "weight of the NLL term on chosen completions (null: 1.0, or 0 with alphapo; 0: no NLL)",
+        "simpo_gamma": "SimPO's target reward margin gamma (simpo, alphapo)",
+        "alpha": "AlphaPO's reward shape: u = (1 - e^(-alpha * logp)) / alpha (0: the log-prob itself)",
+    }
 
     default_loss = "sigmoid"
     label_smoothing: float = attrs.field(default=0.0, validator=in_range(0.0, 0.5))

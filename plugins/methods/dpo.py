@@ -9,6 +9,7 @@ f-divergence and hands it to the composed ``dpo.*`` losses; it never names a los
 from __future__ import annotations
 
 import logging
+from typing import ClassVar
 
 import attrs
 import torch
@@ -35,6 +36,27 @@ def _optional(validator):
 @attrs.define
 class DPOParams(ReferenceSync, LossChoice):
     """DPO's own knobs (TR-DPO's from :class:`ReferenceSync`); names and defaults follow TRL's DPOConfig."""
+
+    field_help: ClassVar[dict[str, str]] = {
+        "beta": "DPO's beta: how strongly the policy is held to the reference (larger: closer)",
+        "label_smoothing": "probability that a pair's label is flipped (0 to 0.5; cdpo, robust, exo_pair, aot)",
+        "f_divergence_type": "divergence to the reference: reverse_kl, forward_kl, js_divergence or alpha_divergence",
+        "f_alpha_divergence_coef": "alpha of alpha_divergence",
+        "max_length": "most tokens of prompt + completion; longer rows are cut per truncation_mode (null: no limit)",
+        "truncation_mode": "'keep_start' cuts the completion's end, 'keep_end' the prompt's start first",
+        "pad_to_multiple_of": "round batch lengths up to this multiple (null: never; auto: 128 on AWS Neuron only)",
+        "padding_free": "chosen and rejected back to back in one row, no padding (null: where the attention can)",
+        "prefix_sharing": "in a padding-free batch, compute each pair's prompt once (null: where the attention can)",
+        "discopop_tau": "DiscoPOP's temperature tau (loss_type discopop)",
+        "precompute_ref_log_probs": "compute the reference's log-probs once before training, so no reference is loaded",
+        "precompute_ref_batch_size": "batch size of that precomputation (null: per_device_train_batch_size)",
+        "ld_alpha": "LD-DPO: weight of completion tokens beyond the shorter completion's length (null: off)",
+        "use_weighting": "weight each pair by how likely the policy is to sample it (WPO)",
+        "weighting_cap": "upper bound of a pair's WPO weight (null: none; WPO's authors use 1)",
+        "model_init_kwargs": "keyword arguments for the policy's from_pretrained (dtype, attn_implementation, ...)",
+        "ref_model_init_kwargs": "keyword arguments for from_pretrained of a ref_model given as a path or hub id",
+        "dataset_num_proc": "worker processes that tokenise the dataset (null: the main process only)",
+    }
 
     default_loss = "sigmoid"
     beta: float = attrs.field(default=0.1, validator=positive)

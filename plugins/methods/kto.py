@@ -17,7 +17,7 @@ A row and its mismatched pair begin with the same prompt: where batches share pr
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import attrs
 import torch
@@ -42,6 +42,22 @@ class KTOParams(ReferenceSync, LossChoice):
     """KTO's own knobs (TR-DPO's from :class:`ReferenceSync`); names and defaults follow TRL's KTOConfig.
 
     ``truncation_mode`` is plait's: TRL 1.16 always keeps the start (``keep_start``, the default)."""
+
+    field_help: ClassVar[dict[str, str]] = {
+        "beta": "KTO's beta: how strongly the policy is held to the reference (larger: closer)",
+        "desirable_weight": "weight lambda_D of the loss on desirable examples",
+        "undesirable_weight": "weight lambda_U of the loss on undesirable examples",
+        "max_length": "most tokens of prompt + completion; longer rows are cut per truncation_mode (null: no limit)",
+        "truncation_mode": "'keep_start' cuts the completion's end, 'keep_end' the prompt's start first",
+        "pad_to_multiple_of": "round batch lengths up to this multiple (null: never; auto: 128 on AWS Neuron only)",
+        "padding_free": "each side's sequences back to back in one row, no padding (null: where the attention can)",
+        "prefix_sharing": "in a padding-free batch, compute each distinct prompt once (null: where the attention can)",
+        "precompute_ref_log_probs": "compute the reference's log-probs once before training, so no reference is loaded",
+        "precompute_ref_batch_size": "batch size of that precomputation (null: per_device_train_batch_size)",
+        "model_init_kwargs": "keyword arguments for the policy's from_pretrained (dtype, attn_implementation, ...)",
+        "ref_model_init_kwargs": "keyword arguments for from_pretrained of a ref_model given as a path or hub id",
+        "dataset_num_proc": "worker processes that tokenise the dataset (null: the main process only)",
+    }
 
     default_loss = "kto"
     beta: float = attrs.field(default=0.1, validator=positive)

@@ -8,6 +8,8 @@ methods' (:mod:`plait.plugins.methods._preference`); TRL 1.16's experimental ORP
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from plait import Method, hookimpl
@@ -20,6 +22,10 @@ from ._preference import CONFIG_DEFAULTS, PreferenceParams, PreferenceTrainer
 class ORPOParams(PreferenceParams):
     """ORPO's knobs: ``beta`` is the paper's λ, the weight of the odds-ratio term (TRL's default 0.1).
     plait's ``loss``/``loss_type`` may compose other losses by name; the default is ORPO's two."""
+
+    field_help: ClassVar[dict[str, str]] = {
+        "beta": "ORPO's lambda: weight of the odds-ratio term added to the chosen completion's NLL",
+    }
 
     default_loss = ("nll", "odds_ratio")
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+from typing import ClassVar
 
 import attrs
 import torch
@@ -71,6 +72,31 @@ class PPOParams(RolloutParams, RewardChoice):
     token-level estimator (``gae`` with ``gamma``/``lam`` by default). ``target_kl`` turns on the
     adaptive KL controller (Ziegler et al. 2019) with horizon ``kl_horizon``.
     """
+
+    field_help: ClassVar[dict[str, str]] = {
+        "reward_model_path": "a reward-model folder that scores the completions (or give reward_funcs)",
+        "value_model_path": "where the value model starts (null: the reward model, else the policy + a new head)",
+        "ref_model_init_kwargs": "keyword arguments for from_pretrained of a ref_model given as a path or hub id",
+        "total_episodes": "prompts trained on over the run; sets max_steps (null: from max_steps or epochs)",
+        "num_ppo_epochs": "optimisation passes over each rollout batch",
+        "num_mini_batches": "minibatches per rollout batch, each one optimizer step",
+        "response_length": "most tokens sampled per completion",
+        "temperature": "sampling temperature",
+        "kl_coef": "weight of the per-token KL penalty to the reference in the reward",
+        "kl_estimator": "per-token KL estimate: 'k1' (log-ratio) or 'k3' (non-negative, lower variance)",
+        "target_kl": "KL the adaptive controller steers kl_coef toward (null: kl_coef stays fixed)",
+        "kl_horizon": "the adaptive KL controller's horizon, in episodes (larger: slower changes)",
+        "cliprange": "policy ratio clip range: [1 - cliprange, 1 + cliprange]",
+        "cliprange_value": "the new value estimates are clipped to within this of the rollout's",
+        "vf_coef": "weight of the value loss in the total loss",
+        "gamma": "discount factor of the rewards in GAE (1.0: none)",
+        "lam": "GAE's lambda: bias/variance trade-off of the advantages (1.0: Monte Carlo returns)",
+        "whiten_rewards": "whiten the per-token rewards over the rollout batch (unit std, their mean kept)",
+        "missing_eos_penalty": "subtracted from the score of a completion that never produced EOS (null: none)",
+        "local_rollout_forward_batch_size": "rows per forward pass of the policy, value and reference over a rollout",
+        "advantage_estimator": "a registered token-level estimator, name or {name, ...} (null: GAE with gamma, lam)",
+        "value_loss": "value losses: names or [{name, weight, ...params}] (null: value; plait list losses)",
+    }
 
     default_loss = "policy"
     reward_model_path: str | None = None

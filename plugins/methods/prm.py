@@ -18,6 +18,7 @@ with it (per-step P(correct), aggregated ``min``, ``last`` or ``mean``).
 from __future__ import annotations
 
 import logging
+from typing import ClassVar
 
 import attrs
 import torch
@@ -47,6 +48,16 @@ def _separator(instance, attribute, value) -> None:
 @attrs.define
 class PRMParams:
     """The PRM's knobs; names and defaults follow TRL's PRMConfig (0.x, the last TRL that shipped it)."""
+
+    field_help: ClassVar[dict[str, str]] = {
+        "max_length": "the whole sequence keeps its first this many tokens (null: no limit)",
+        "max_prompt_length": "the prompt keeps its last this many tokens (null: no limit)",
+        "max_completion_length": "the steps together keep their first this many tokens (null: no limit)",
+        "step_separator": "text after each step; a step is scored at its separator's last token",
+        "train_on_last_step_only": "train on the last step's label only (evaluation reads every step)",
+        "model_init_kwargs": "keyword arguments for the policy's from_pretrained (dtype, attn_implementation, ...)",
+        "dataset_num_proc": "worker processes that tokenise the dataset (null: the main process only)",
+    }
 
     max_length: int | None = attrs.field(default=1024, validator=_optional_length)
     max_prompt_length: int | None = attrs.field(default=512, validator=_optional_length)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import ClassVar
 
 import attrs
 import torch
@@ -37,6 +38,17 @@ class RewardParams(LossChoice):
 
     Pairs longer than ``max_length`` (prompt + chosen or prompt + rejected) are dropped, as TRL
     1.16 does; ``truncation_mode`` (plait's) ``"keep_start"`` or ``"keep_end"`` truncates them instead."""
+
+    field_help: ClassVar[dict[str, str]] = {
+        "center_rewards_coefficient": "c of the c*(r_chosen + r_rejected)^2 term keeping rewards near 0 (null: off)",
+        "max_length": "most tokens of prompt + chosen (or rejected); longer pairs are dropped (null: no limit)",
+        "truncation_mode": "truncate long pairs instead of dropping them: 'keep_start' or 'keep_end' (null: drop)",
+        "pad_to_multiple_of": "round batch lengths up to this multiple (null: never; auto: 128 on AWS Neuron only)",
+        "padding_free": "a batch's sequences back to back in one row, no padding (null: where the model allows)",
+        "prefix_sharing": "in a padding-free batch, compute each pair's prompt once (null: where the attention can)",
+        "model_init_kwargs": "keyword arguments for the policy's from_pretrained (dtype, attn_implementation, ...)",
+        "dataset_num_proc": "worker processes that tokenise the dataset (null: the main process only)",
+    }
 
     default_loss = "bradley_terry"
     center_rewards_coefficient: float | None = attrs.field(default=None, validator=attrs.validators.optional(non_negative))

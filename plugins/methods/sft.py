@@ -10,7 +10,7 @@ whole accumulated batch so gradient accumulation and several processes give the 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, ClassVar
 
 import attrs
 import torch.nn.functional as F
@@ -47,6 +47,23 @@ def _dataset_kwargs(instance, attribute, value) -> None:
 @attrs.define
 class SFTParams(LossChoice):
     """SFT's own knobs; names follow TRL's SFTConfig."""
+
+    field_help: ClassVar[dict[str, str]] = {
+        "max_length": "most tokens per example, or per row when packing; longer ones are cut (null: no limit)",
+        "truncation_mode": "'keep_start' cuts the completion's end, 'keep_end' the prompt's start first",
+        "packing": "pack several examples into each max_length row of the training set",
+        "packing_strategy": "a registered packing strategy such as bfd (plait list packing)",
+        "eval_packing": "pack the evaluation set too (null: as packing)",
+        "padding_free": "examples back to back in one row, no padding",
+        "pad_to_multiple_of": "round batch lengths up to this multiple (null: never; auto: 128 on AWS Neuron only)",
+        "dataset_text_field": "the column read as language-modelling text",
+        "dataset_kwargs": "{skip_prepare_dataset: true}: the dataset is already tokenised (input_ids)",
+        "shuffle_dataset": "shuffle the dataset once when preparing it (packed rows too), with seed",
+        "completion_only_loss": "train on completion tokens only (null: yes for prompt-completion data)",
+        "assistant_only_loss": "train only on the assistant turns of conversations",
+        "model_init_kwargs": "keyword arguments for the policy's from_pretrained (dtype, attn_implementation, ...)",
+        "dataset_num_proc": "worker processes that tokenise the dataset (null: the main process only)",
+    }
 
     default_loss = "nll"
     max_length: int | None = attrs.field(default=1024, validator=attrs.validators.optional(positive))
