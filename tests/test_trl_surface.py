@@ -7,6 +7,8 @@ the same hand-made completions). This suite does not import TRL.
 
 from __future__ import annotations
 
+import dataclasses
+
 import inspect
 import math
 
@@ -549,3 +551,24 @@ def test_trl_names_for_distillation_and_create_reference_model(tiny_model_path):
     assert shared.get_output_embeddings().weight is shared.get_input_embeddings().weight  # the tie survives
     with pytest.raises(plait.PlaitError, match="num_shared_layers=7.*pattern="):
         plait.create_reference_model(policy, num_shared_layers=7)
+
+
+def test_trl_parser_reads_every_method_config():
+    """TRL's script pattern, TrlParser((ScriptArguments, <Method>Config, ModelConfig)), for every method:
+    fields whose type HfArgumentParser cannot read (str | bool | None, Any ...) are read as YAML text."""
+    from plait import ModelConfig, ScriptArguments, TrlParser
+    from plait.manager import default_plugins
+
+    for component in default_plugins().methods:
+        TrlParser((ScriptArguments, component.obj.config, ModelConfig))
+    parser = TrlParser((ScriptArguments, default_plugins().methods.get("grpo", family="method").obj.config, ModelConfig))
+    script, args, model = parser.parse_args_and_config(
+        ["--dataset_name", "data.jsonl", "--output_dir", "out", "--report_to", "none", "--scale_rewards", "false",
+         "--pad_to_multiple_of", "8", "--reward_funcs", "accuracy", "think_format", "--max_completion_length", "12",
+         "--model_name_or_path", "tiny"])
+    assert (script.dataset_name, model.model_name_or_path) == ("data.jsonl", "tiny")
+    assert (args.scale_rewards, args.params.pad_to_multiple_of, args.params.max_completion_length) == (False, 8, 12)
+    assert args.reward_funcs == ["accuracy", "think_format"]
+    # the Config class is as it was: transformers' parser narrows field types in place, on copies here
+    grpo = default_plugins().methods.get("grpo", family="method").obj.config
+    assert {f.name: f.type for f in dataclasses.fields(grpo)}["loss_type"] == str | list | None

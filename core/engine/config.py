@@ -228,7 +228,11 @@ def method_config(name: str, params: type, *, doc: str = "", defaults: Mapping[s
     The instance's ``.params`` holds the validated attrs object the method's code reads.
     """
     helps = field_help(params)
-    fields = [(a.name, a.type or Any, _field_spec(a.default, helps.get(a.name))) for a in attrs.fields(params)]
+    # the annotations as types, each read in its own class's module (a Config's own module may lack the names
+    # its bases' annotations use, and transformers' HfArgumentParser reads them there)
+    types_of = typing.get_type_hints(params)
+    fields = [(a.name, types_of.get(a.name, a.type or Any), _field_spec(a.default, helps.get(a.name)))
+              for a in attrs.fields(params)]
     own_params = {a.name for a in attrs.fields(params)}
     for field_name, (attribute, options) in contributed_fields(params).items():
         if field_name not in own_params:  # the method's own field wins

@@ -15,6 +15,7 @@ sections with the helpers here (:meth:`ModelConfig.lora_kwargs`, :func:`quantiza
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import os
 import sys
@@ -237,6 +238,24 @@ class PlaitParser(_parser_base()):
                                  "--config file; rename the field")
         super().__init__(dataclass_types=dataclass_types, **kwargs)
 
+    @staticmethod
+    def _parse_dataclass_field(parser: argparse.ArgumentParser, field: dataclasses.Field):
+        """HfArgumentParser's flag for ``field``; for a type it cannot read (``str | bool | None``,
+        ``int | str | None``, ``Any`` ... as plait's Configs have), a flag whose text is read as YAML, as
+        ``plait <method>`` reads it (``--resume_from_checkpoint latest``, ``--scale_rewards false``)."""
+        if field.type is not Any:  # Any would be called on the text
+            try:  # on a copy: HfArgumentParser narrows field.type in place, which would change the Config class
+                return _parser_base()._parse_dataclass_field(parser, copy.copy(field))
+            except (ValueError, TypeError, AttributeError):  # its type readers fail before the flag is added
+                if f"--{field.name}" in parser._option_string_actions:
+                    raise
+        from plait.engine.config import yaml_load
+
+        names = [f"--{field.name}", *([f"--{field.name.replace('_', '-')}"] if "_" in field.name else [])]
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        parser.add_argument(*names, type=yaml_load, nargs="+", action=_OneOrMany, default=default,
+                            help=field.metadata.get("help"))
+
     def parse_args_and_config(self, args: Iterable[str] | None = None, return_remaining_strings: bool = False,
                               fail_with_unknown_args: bool = True, separate_remaining_strings: bool = False):
         """The dataclasses from ``--config`` and the command line (``sys.argv`` by default).
@@ -284,6 +303,13 @@ class PlaitParser(_parser_base()):
 
 
 TrlParser = PlaitParser
+
+
+class _OneOrMany(argparse.Action):
+    """``--field a`` gives a, ``--field a b`` gives [a, b] (as ``plait <method>`` reads flags)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values[0] if len(values) == 1 else list(values))
 
 
 def read_flat_yaml(path: str) -> dict[str, Any]:
