@@ -262,6 +262,20 @@ def check_grpo(tmp_path, policy, rollout, **config):
     assert_same(loss_and_grad(ours, plait_rollout(rollout)), loss_and_grad(theirs, trl_rollout(rollout)))
 
 
+def test_grpo_high_entropy_mask_helper_equals_trls(tmp_path, policy):
+    """GRPOTrainer.get_high_entropy_mask, TRL's helper: the same tokens at every quantile."""
+    config = dict(num_generations=4, max_completion_length=8)
+    theirs = trl.GRPOTrainer(model=copy.deepcopy(policy), reward_funcs=constant_reward, train_dataset=PROMPTS,
+                             args=trl.GRPOConfig(**common_args(tmp_path), **config))
+    ours = plait_grpo.GRPOTrainer(copy.deepcopy(policy), reward_funcs=constant_reward, train_dataset=PROMPTS,
+                                  args=plait_grpo.GRPOConfig(**common_args(tmp_path), **config))
+    g = torch.Generator().manual_seed(3)
+    entropies, mask = torch.rand(3, 7, generator=g) * 3, (torch.rand(3, 7, generator=g) > 0.3).int()
+    for threshold in (0.0, 0.2, 0.5, 0.8, 1.0):
+        assert torch.equal(ours.get_high_entropy_mask(entropies, mask, threshold),
+                           theirs.get_high_entropy_mask(entropies, mask, threshold))
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("loss_type", GRPO_LOSSES)
 def test_grpo_loss_type(tmp_path, policy, rollout, loss_type, beta):

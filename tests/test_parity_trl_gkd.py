@@ -120,3 +120,21 @@ def test_defaults_are_trls(tmp_path):
     for field in ("temperature", "lmbda", "beta", "max_new_tokens", "seq_kd", "disable_dropout", "learning_rate",
                   "max_length", "logging_steps", "teacher_model_name_or_path", "teacher_model_init_kwargs"):
         assert getattr(ours, field) == getattr(theirs, field), field
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 0.9, 1.0])
+@pytest.mark.parametrize("reduction", ["batchmean", "sum", "mean"])
+@pytest.mark.parametrize("with_labels", [True, False])
+def test_generalized_jsd_loss_helper_equals_trls(beta, reduction, with_labels):
+    """GKDTrainer.generalized_jsd_loss, TRL's static helper on whole logits, as scripts call it."""
+    torch.manual_seed(0)
+    student, teacher = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    labels = torch.tensor([[-100, 1, 2, 3, -100], [4, 5, -100, 6, 7]]) if with_labels else None
+    ours = plait_gkd.GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=beta, temperature=0.7,
+                                                     reduction=reduction)
+    theirs = GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=beta, temperature=0.7,
+                                             reduction=reduction)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    by_items = plait_gkd.GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=beta, num_items_in_batch=7)
+    torch.testing.assert_close(by_items, GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=beta,
+                                                                         num_items_in_batch=7), rtol=1e-5, atol=1e-6)

@@ -8,7 +8,6 @@ the same hand-made completions). This suite does not import TRL.
 from __future__ import annotations
 
 import dataclasses
-
 import inspect
 import math
 

@@ -18,9 +18,8 @@ model's [B, T, V] logits. ``lmbda=1`` with ``temperature`` 1 is ``distill`` itse
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import random
+from typing import ClassVar
 
 import attrs
 
@@ -92,6 +91,37 @@ class GKDTrainer(DistillTrainer):
 
     method = "gkd"
     config_class = GKDConfig
+
+    @staticmethod
+    def generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta: float = 0.5, temperature: float = 1.0,
+                             reduction: str = "batchmean", num_items_in_batch=None):
+        """TRL's helper of the same name, on whole logits ``[..., V]``: the generalised JSD of the registered
+        ``distill.jsd`` (GKD eq. 1; β = 0 forward KL, β = 1 reverse KL) at each position, both softmaxes at
+        ``temperature``, positions whose label is -100 left out; then summed and divided by
+        ``num_items_in_batch`` when given, else reduced: "batchmean" (per kept position; without labels, per row
+        of the first dimension, as TRL's), "sum", "mean"
+        (per position and vocabulary entry, as an elementwise mean), "none" (one value per kept position)."""
+        import torch
+
+        from plait.engine.batches import TokenDistributions
+        from plait.manager import default_plugins
+
+        jsd = default_plugins().losses.get("distill.jsd", family="distill")
+        vocab = student_logits.shape[-1]
+        student = torch.log_softmax(student_logits.float() / temperature, -1).reshape(-1, vocab)
+        teacher = torch.log_softmax(teacher_logits.float() / temperature, -1).reshape(-1, vocab)
+        if labels is not None:
+            kept = labels.reshape(-1) != -100
+            student, teacher = student[kept], teacher[kept]
+        divergence = jsd.obj(TokenDistributions(student, teacher), jsd.make_params(beta=beta))
+        if num_items_in_batch is not None:
+            return divergence.sum() / torch.as_tensor(num_items_in_batch, device=divergence.device)
+        rows = max(divergence.numel(), 1) if labels is not None else student_logits.shape[0]  # TRL's batchmean
+        reductions = {"batchmean": lambda d: d.sum() / rows, "sum": torch.sum,
+                      "mean": lambda d: d.sum() / max(d.numel() * vocab, 1), "none": lambda d: d}
+        if reduction not in reductions:
+            raise PlaitError(f"reduction={reduction!r}: use one of {', '.join(reductions)}")
+        return reductions[reduction](divergence)
     teacher_backend = None
 
     # -- data: SFT-style rows become prompt ids + the dataset's completion ids ------------------

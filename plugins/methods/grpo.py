@@ -156,6 +156,19 @@ class GRPOTrainer(OnlineTrainer):
     def advantages(self, rewards, *, batch, old_logps, ref_logps) -> torch.Tensor:
         return self.estimator(self.gather_rollout(rewards))
 
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's helper of the same name: the counted tokens (``mask``) whose entropy is at least the
+        ``threshold`` quantile of every counted token's on every process, as a bool ``[B, T]`` mask (the cut
+        ``top_entropy_quantile`` ρ applies with threshold 1 − ρ; Wang et al. 2025, "Beyond the 80/20 Rule")."""
+        counted = mask.bool()
+        local = entropies.detach()[counted].float()
+        # -1 pads the processes' token lists to one length; no entropy is negative, so it marks padding
+        everyone = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=-1.0))
+        everyone = everyone[everyone >= 0]
+        if everyone.numel() == 0:
+            return torch.zeros_like(counted)
+        return (entropies.float() >= torch.quantile(everyone, threshold)) & counted
+
     def token_logprobs(self, model, input_ids, attention_mask=None, **kwargs):
         return super().token_logprobs(model, input_ids, attention_mask,
                                       cast_lm_head_to_fp32=self.args.params.cast_lm_head_to_fp32, **kwargs)
