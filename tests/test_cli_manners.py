@@ -375,3 +375,11 @@ def test_only_the_main_process_writes_and_values_are_json(tmp_path):
 
     MetricsLog().on_log(args, State(1), None, logs={"loss": torch.tensor(0.5), "grad_norm": float("nan")})
     assert list(read_metrics(tmp_path)) == [{"step": 1, "epoch": 0.0, "loss": 0.5, "grad_norm": "nan"}]
+
+
+def test_a_help_line_is_its_first_sentence_and_e_g_does_not_end_it():
+    from plait.recipes.run import _first_sentence
+
+    assert _first_sentence("options for apply_chat_template, e.g. {enable_thinking: false}") == \
+        "options for apply_chat_template, e.g. {enable_thinking: false}"
+    assert _first_sentence("The initial learning rate. More words.") == "The initial learning rate"

@@ -571,3 +571,11 @@ def test_trl_parser_reads_every_method_config():
     # the Config class is as it was: transformers' parser narrows field types in place, on copies here
     grpo = default_plugins().methods.get("grpo", family="method").obj.config
     assert {f.name: f.type for f in dataclasses.fields(grpo)}["loss_type"] == str | list | None
+
+
+def test_packed_position_ids_helper():
+    """DataCollatorForLanguageModeling.get_position_ids_from_packed_seq_lengths, TRL's static helper."""
+    from plait import DataCollatorForLanguageModeling
+
+    rows = DataCollatorForLanguageModeling.get_position_ids_from_packed_seq_lengths([[3, 2], [4], [1, 1, 2]])
+    assert [row.tolist() for row in rows] == [[0, 1, 2, 0, 1], [0, 1, 2, 3], [0, 0, 0, 1]]

@@ -644,7 +644,7 @@ COMMON_TRAINING = ("output_dir", "max_steps", "num_train_epochs", "learning_rate
 def _first_sentence(text: str, limit: int = 110) -> str:
     """A field's help as one line: its first sentence, shortened to ``limit`` characters."""
     text = " ".join(str(text or "").split())
-    match = re.search(r"(?<=[.!?])\s", text)
+    match = re.search(r"(?<!\be\.g\.)(?<!\bi\.e\.)(?<=[.!?])\s", text)  # "e.g. x" does not end a sentence
     text = (text[:match.start()] if match else text).rstrip(".")
     return text if len(text) <= limit else text[:limit - 1].rstrip() + "…"
 

@@ -289,6 +289,15 @@ class DataCollatorForLanguageModeling(_Registered):
         super().__init__(pad_token_id, pad_to_multiple_of=pad_to_multiple_of, return_tensors=return_tensors,
                          collator="collator.padding_free" if padding_free else "collator.language_modeling")
 
+    @staticmethod
+    def get_position_ids_from_packed_seq_lengths(batch_seq_lengths: list[list[int]]) -> list:
+        """TRL's helper: for each packed row (the lengths of its documents), position ids restarting at 0 at
+        each document's start, one 1-D tensor per row."""
+        import torch
+
+        return [torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0, dtype=torch.long)
+                for lengths in batch_seq_lengths]
+
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = super().__call__(examples)
         if self.return_position_ids and "position_ids" not in batch:

