@@ -179,7 +179,7 @@ def test_help_all_lists_every_field_once():
     assert not missing
     listed = [flag for flag in flags if flag not in ("--help", "--help-all", "--config", "--check")]
     assert len(listed) == len(set(listed))  # each in one group
-    assert help_rows(done.stdout)["--beta"].endswith("0.1") and len(done.stdout.splitlines()) > 150
+    assert help_rows(done.stdout)["--beta"].endswith("(default: 0.1)") and len(done.stdout.splitlines()) > 150
 
 
 # -- 6. an unknown loss, within its family -----------------------------------------------------------------

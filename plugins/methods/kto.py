@@ -169,12 +169,20 @@ class KTOTrainer(ReferenceTrainer):
         if numbered:  # to find each row's untruncated completion after rows were dropped
             dataset = dataset.add_column(ROW, list(range(len(dataset))))
 
+        rows = dataset
+
         def prepared(max_length):
-            return prepare_dataset(dataset, processing_class, "unpaired", plugins=self.plugins, max_length=max_length,
+            return prepare_dataset(rows, processing_class, "unpaired", plugins=self.plugins, max_length=max_length,
                                    truncation_mode=p.truncation_mode, num_proc=p.dataset_num_proc)
 
-        untruncated = prepared(None) if numbered else None
-        dataset = prepared(p.max_length)
+        dataset, untruncated = prepared(p.max_length), None
+        if numbered:  # the same rows again, whole: what they report was reported by the pass above
+            level = logger.level
+            logger.setLevel(logging.ERROR)
+            try:
+                untruncated = prepared(None)
+            finally:
+                logger.setLevel(level)
         if split == "train":
             check_class_balance(dataset["label"], p.desirable_weight, p.undesirable_weight)
         dataset = self.with_mismatched_completions(dataset, args, split, untruncated)
