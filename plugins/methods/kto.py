@@ -166,10 +166,8 @@ class KTOTrainer(ReferenceTrainer):
             return None
         p = args.params
         numbered = isinstance(dataset, Dataset) and p.max_length is not None
-        if numbered:  # to find each row's untruncated completion after rows were dropped
-            dataset = dataset.add_column(ROW, list(range(len(dataset))))
-
-        rows = dataset
+        # numbered, to find each row's untruncated completion after rows were dropped
+        rows = dataset.add_column(ROW, list(range(len(dataset)))) if numbered else dataset
 
         def prepared(max_length):
             return prepare_dataset(rows, processing_class, "unpaired", plugins=self.plugins, max_length=max_length,
