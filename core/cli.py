@@ -200,6 +200,18 @@ def build_parser(plugins: Plugins | Catalog, selected: str | None = None,
     return parser
 
 
+def _why_disabled(spelt: str, known: Plugins | Catalog) -> str | None:
+    """`plait dpo` with dpo's plugin disabled: which switch disabled it (not "unknown command"). Only a
+    full registry can say (it imports a disabled plugin to see what it would register); asked only when
+    some plugin is disabled."""
+    if not known.disabled:
+        return None
+    full = known if isinstance(known, Plugins) else make_plugins()
+    spellings = dict.fromkeys([spelt, spelt.replace("-", "_"), spelt.replace("_", "-")])
+    return next(filter(None, (full.why_disabled("methods", [f"method.{name}"]) or
+                              full.why_disabled("commands", [f"command.{name}"]) for name in spellings)), None)
+
+
 def _only_lists(argv: Sequence[str]) -> bool:
     """`plait`, `plait --help`, `plait list ...`, `plait plugins`: answered from the catalog."""
     return not argv or argv[0] in ("-h", "--help", *LISTINGS)
@@ -241,19 +253,19 @@ def main(argv: Sequence[str] | None = None, *, plugins: Plugins | None = None) -
         if argv[:1] in (["--version"], ["-V"]):  # before any plugin loads
             print(version_line())
             return 0
-        if plugins is None:  # a listing warns about a broken plugin and goes on; a run refuses it
-            plugins = load_catalog(on_import_error="warn") if _only_lists(argv) else make_plugins()
-        commands = commands_of(plugins)
+        listing = _only_lists(argv)
+        # the command's name is resolved from the catalog (instant, no plugin imported), so a misspelt one is
+        # answered at once; a listing warns about a broken plugin and goes on, a run refuses it
+        known = plugins if plugins is not None else load_catalog(on_import_error="warn" if listing else None)
+        commands = commands_of(known)
         if argv and not argv[0].startswith("-"):
             name = command_name(argv[0], list(commands))
             if name is None:
-                # `plait dpo` with dpo's plugin disabled: say by what, not argparse's "invalid choice"
-                spellings = dict.fromkeys([argv[0], argv[0].replace("-", "_"), argv[0].replace("_", "-")])
-                why = next(filter(None, (plugins.why_disabled("methods", [f"method.{spelt}"]) or
-                                         plugins.why_disabled("commands", [f"command.{spelt}"]) for spelt in spellings)),
-                           None)
-                raise PlaitError(why or unknown_command(argv[0], list(commands)))
+                raise PlaitError(_why_disabled(argv[0], known) or unknown_command(argv[0], list(commands)))
             argv[0] = name
+        if plugins is None:  # a run gets every plugin loaded (the catalog's fallback already did that)
+            plugins = known if listing or isinstance(known, Plugins) else make_plugins()
+            commands = commands_of(plugins) if plugins is not known else commands
         parser = build_parser(plugins, selected=argv[0] if argv else None, commands=commands)
         args, extra = parser.parse_known_args(argv)
         args.extra = extra
