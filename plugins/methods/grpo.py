@@ -21,7 +21,7 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 
 from plait import Method, PlaitError, hookimpl
-from plait.engine.batches import PolicyTokens
+from plait.engine.batches import PolicyTokens, gather_ragged
 from plait.engine.config import method_config
 from plait.engine.logprobs import fp32_projection
 from plait.online.chassis import OnlineParams, OnlineTrainer
@@ -161,10 +161,7 @@ class GRPOTrainer(OnlineTrainer):
         ``threshold`` quantile of every counted token's on every process, as a bool ``[B, T]`` mask (the cut
         ``top_entropy_quantile`` ρ applies with threshold 1 − ρ; Wang et al. 2025, "Beyond the 80/20 Rule")."""
         counted = mask.bool()
-        local = entropies.detach()[counted].float()
-        # -1 pads the processes' token lists to one length; no entropy is negative, so it marks padding
-        everyone = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=-1.0))
-        everyone = everyone[everyone >= 0]
+        everyone = gather_ragged(self.accelerator, entropies.detach()[counted].float())
         if everyone.numel() == 0:
             return torch.zeros_like(counted)
         return (entropies.float() >= torch.quantile(everyone, threshold)) & counted
