@@ -334,13 +334,17 @@ def test_collators_give_trls_batches():
     def as_lists(batch, keys):
         return {k: batch[k].tolist() for k in keys}
 
-    # TRL 1.16's collators (trl.trainer.*_trainer) on the same rows; plait adds completion_mask (and KTO's kl_* pairs)
+    # TRL 1.16's collators (trl.trainer.*_trainer) on the same rows, with TRL's keys
     lm = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]
-    assert as_lists(DataCollatorForLanguageModeling(0, pad_to_multiple_of=4)(lm), ["input_ids", "labels", "attention_mask"]) == {
+    padded = DataCollatorForLanguageModeling(0, pad_to_multiple_of=4)(lm)
+    assert as_lists(padded, padded) == {
         "input_ids": [[1, 2, 3, 0], [4, 5, 0, 0]], "labels": [[1, 2, 3, -100], [4, 5, -100, -100]],
         "attention_mask": [[1, 1, 1, 0], [1, 1, 0, 0]]}
-    assert as_lists(DataCollatorForLanguageModeling(0, padding_free=True)(lm), ["input_ids", "labels", "position_ids"]) == {
-        "input_ids": [[1, 2, 3, 4, 5]], "labels": [[-100, 2, 3, -100, 5]], "position_ids": [[0, 1, 2, 0, 1]]}
+    flat = DataCollatorForLanguageModeling(0, padding_free=True)(lm)
+    assert as_lists(flat, ["input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"]) == {
+        "input_ids": [[1, 2, 3, 4, 5]], "labels": [[-100, 2, 3, -100, 5]], "position_ids": [[0, 1, 2, 0, 1]],
+        "cu_seq_lens_q": [0, 3, 5], "cu_seq_lens_k": [0, 3, 5], "seq_idx": [[0, 0, 0, 1, 1]]}
+    assert (flat["max_length_q"], flat["max_length_k"], len(flat)) == (3, 3, 8)
     assert DataCollatorForLanguageModeling(0, return_position_ids=True)(lm)["position_ids"].tolist() == [[0, 1, 2], [0, 1, 0]]
 
     pairs = [{"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4, 5]},

@@ -300,9 +300,26 @@ class DataCollatorForLanguageModeling(_Registered):
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = super().__call__(examples)
-        if self.return_position_ids and "position_ids" not in batch:
+        batch.pop("completion_mask")  # TRL's batch has the mask only as the -100s of labels
+        if self.padding_free:
+            batch.update(_sequence_boundaries(batch["position_ids"]))
+        elif self.return_position_ids:
             batch["position_ids"] = (batch["attention_mask"].cumsum(dim=1) - 1).clamp(min=0) * batch["attention_mask"]
         return batch
+
+
+def _sequence_boundaries(position_ids) -> dict[str, Any]:
+    """TRL's keys for varlen attention kernels, read from a padding-free row's restarting positions:
+    each sequence's start offset (``cu_seq_lens_*``, with the row's end), the longest sequence and
+    each token's sequence index."""
+    import torch
+
+    starts = (position_ids[0] == 0).nonzero().flatten()
+    offsets = torch.cat([starts, torch.tensor([position_ids.shape[1]])]).to(torch.int32)
+    lengths = offsets.diff()
+    longest = int(lengths.max())
+    return {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest,
+            "seq_idx": torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)[None]}
 
 
 class DataCollatorForPreference(_Registered):
@@ -322,8 +339,11 @@ class DataCollatorForPreference(_Registered):
 
 
 class DataCollatorForUnpairedPreference(_Registered):
-    """TRL's KTO collator: ``collator.unpaired`` (``prompt_ids``, ``completion_ids``, ``label``), which
-    also gives the mismatched pairs (``kl_*``) plait's KTO estimates its reference point from."""
+    """TRL's KTO collator: ``collator.unpaired`` (``prompt_ids``, ``completion_ids``, ``label``) under TRL's
+    key names. Rows with ``KL_completion_ids`` (the mismatched completions KTO's reference point is
+    estimated from) also give ``KL_input_ids``, ``KL_attention_mask`` and ``KL_completion_mask``, and
+    ``ref_KL_logps`` passes through; rows without them give no ``KL_*`` keys, as TRL's (plait's own
+    collator would pair each row with its batch neighbour's completion)."""
 
     collator = "collator.unpaired"
 
@@ -331,3 +351,17 @@ class DataCollatorForUnpairedPreference(_Registered):
                  return_tensors: str = "pt"):
         super().__init__(pad_token_id, max_length=max_length, pad_to_multiple_of=pad_to_multiple_of,
                          return_tensors=return_tensors)
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        mismatched = all("KL_completion_ids" in example for example in examples)
+        batch = super().__call__([{_plait_key(key): value for key, value in example.items()} for example in examples])
+        return {_trl_key(key): value for key, value in batch.items() if mismatched or not key.startswith("kl_")}
+
+
+def _plait_key(key: str) -> str:
+    """A KTO row's key as plait's collator names it (TRL's ``KL_`` and ``ref_KL_`` are plait's ``kl_``, ``ref_kl_``)."""
+    return key.replace("KL_", "kl_", 1) if key.startswith(("KL_", "ref_KL_")) else key
+
+
+def _trl_key(key: str) -> str:
+    return key.replace("kl_", "KL_", 1) if key.startswith(("kl_", "ref_kl_")) else key
