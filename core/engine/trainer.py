@@ -87,6 +87,10 @@ class PlaitTrainer(Trainer):
     _offload_activations: bool = False
     card_details: CardDetails = CardDetails()  # what create_model_card/push_to_hub were told, for every later card
     card_datasets: tuple[str, ...] = ()  # the datasets the card names when the user named none (the CLI's recipe)
+    # Is trainer.eval_dataset what the user passed (TRL's GRPO, RLOO, online DPO, distillation), its prepared rows
+    # read by evaluation (_eval_prepared), or the prepared rows themselves (TRL's SFT, DPO, KTO, reward model)?
+    keeps_eval_dataset_as_given: ClassVar[bool] = False
+    _eval_prepared: dict[int, Any] = {}  # id(a dataset as given) -> its prepared rows, where kept as given
 
     def __init__(
         self,
@@ -151,10 +155,15 @@ class PlaitTrainer(Trainer):
             self.prefix_sharing = self._prefix_sharing(args)
 
             train_dataset = self.prepare(train_dataset, processing_class, args, "train")
+            given = eval_dataset
             if isinstance(eval_dataset, dict):
                 eval_dataset = {k: self.prepare(v, processing_class, args, k) for k, v in eval_dataset.items()}
             elif eval_dataset is not None:
                 eval_dataset = self.prepare(eval_dataset, processing_class, args, "eval")
+            if self.keeps_eval_dataset_as_given and given is not None:  # prepared now all the same: bad rows fail here
+                pairs = given.items() if isinstance(given, dict) else [(None, given)]
+                self._eval_prepared = {id(raw): eval_dataset[k] if k is not None else eval_dataset for k, raw in pairs}
+                eval_dataset = given
             data_collator = data_collator or self.batch_collator(processing_class, args)
 
             callbacks = list(callbacks or [])
@@ -296,6 +305,27 @@ class PlaitTrainer(Trainer):
         if raw and not any(eval_dataset is dataset for dataset in own):
             eval_dataset = self.prepare(eval_dataset, self.processing_class, self.args, metric_key_prefix)
         return super().evaluate(eval_dataset=eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """transformers' loader; an eval dataset the trainer keeps as given is read through its prepared rows."""
+        given = self.eval_dataset if eval_dataset is None else (
+            self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else eval_dataset)
+        prepared = self._eval_prepared.get(id(given))
+        return super().get_eval_dataloader(eval_dataset if prepared is None else prepared)
+
+    @property
+    def ref_model(self) -> torch.nn.Module | None:
+        """TRL's name for the reference: the separate frozen model, or None where there is none to hold (the
+        policy with its adapters off or a frozen adapter copy, precomputed log-probs, beta = 0), as TRL's."""
+        reference = vars(self).get("reference")
+        if not isinstance(reference, Reference):
+            raise AttributeError(f"{type(self).__name__} has no reference model ({self.method} uses none)")
+        return reference.model
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's flag: does the loss add a Mixture-of-Experts load-balancing term (``router_aux_loss_coef``)?"""
+        return self._router_aux_loss_coef != 0.0
 
     def auxiliary_modules(self) -> dict[str, torch.nn.Module]:
         """Modules trained beside the policy (a value model, extra heads), by the checkpoint

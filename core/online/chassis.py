@@ -63,7 +63,7 @@ from .buffer import (
     split_rows,
     whole_groups,
 )
-from .generation import GenerationChoice, Generations, SamplingParams, resolve_backend
+from .generation import TRL_VLLM_MODES, GenerationChoice, Generations, SamplingParams, resolve_backend
 from .importance_sampling import importance_sampling_metrics, importance_weights
 from .rollouts import Agent, AgentChoice
 from .scoring import (
@@ -242,6 +242,7 @@ class RolloutTrainer(PlaitTrainer):
     """
 
     gives_eval_predictions = False  # no logits and labels for compute_metrics: evaluation samples and scores
+    keeps_eval_dataset_as_given = True  # trainer.eval_dataset is the user's prompts, as TRL's online trainers keep it
     prompt_collator: ClassVar[str]  # e.g. "collator.prompt_only", named by the method's module
 
     # -- what a method says ---------------------------------------------------------------------
@@ -284,6 +285,15 @@ class RolloutTrainer(PlaitTrainer):
                              "gradient_accumulation_steps to keep the batch)")
         self.sizes = self.rollout_plan(args)
         self.backend_component = resolve_backend(self.plugins, args)  # unknown names and options fail now
+        # TRL's attribute: is the sampler one of the vLLM backends its use_vllm/vllm_mode name?
+        self.use_vllm = self.backend_component.name.split(".", 1)[-1] in TRL_VLLM_MODES.values()
+
+    @property
+    def generation_config(self):
+        """TRL's attribute: the transformers ``GenerationConfig`` the run samples with (the sampling params as
+        the backend reads them), or None for a backend that samples without one (vLLM)."""
+        own = getattr(self.backend, "generation_config", None)
+        return own(self.sampling_params()) if callable(own) else None
 
     def after_init(self) -> None:
         self.backend = self.backend_component.obj(self.policy_module(), self.processing_class, self.args)
@@ -513,6 +523,12 @@ class OnlineTrainer(RolloutTrainer):
                              + ([self.agent.reward_function()] if owned else []))
         weights = p.reward_weights if p.reward_weights is None or not owned else [*p.reward_weights, 1.0]
         self.reward_weights = reward_weights(self.reward_funcs, weights)
+
+    @property
+    def reward_processing_classes(self) -> list:
+        """TRL's attribute: one entry per reward function, the tokenizer a reward model scores with, None for
+        a function of the text."""
+        return [getattr(func.fn, "processing_class", None) for func in self.reward_funcs]
 
     def _resolve_rewards(self, entries: list) -> list:
         classes = self._reward_processing_classes

@@ -91,6 +91,7 @@ class GKDTrainer(DistillTrainer):
 
     method = "gkd"
     config_class = GKDConfig
+    keeps_eval_dataset_as_given = False  # TRL's GKD is an SFTTrainer: trainer.eval_dataset holds the prepared rows
 
     @staticmethod
     def generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta: float = 0.5, temperature: float = 1.0,
@@ -122,6 +123,27 @@ class GKDTrainer(DistillTrainer):
         if reduction not in reductions:
             raise PlaitError(f"reduction={reduction!r}: use one of {', '.join(reductions)}")
         return reductions[reduction](divergence)
+    @staticmethod
+    def generate_on_policy_outputs(model, inputs, generation_config):
+        """TRL's helper: ``model.generate`` after the left-padded ``inputs["prompts"]`` (``prompt_attention_mask``),
+        returning the sequences, their attention mask (the prompt's, then each completion up to and including its
+        first EOS of ``generation_config``; all of it without an EOS id) and labels (the sequences, -100 on the
+        prompt and wherever the mask is 0)."""
+        import torch
+
+        prompts, prompt_mask = inputs["prompts"], inputs["prompt_attention_mask"]
+        sequences = model.generate(input_ids=prompts, attention_mask=prompt_mask, generation_config=generation_config,
+                                   return_dict_in_generate=True).sequences
+        completions = sequences[:, prompts.shape[1]:]
+        kept = torch.ones_like(completions)
+        if generation_config.eos_token_id is not None:
+            stops = torch.isin(completions, torch.tensor(generation_config.eos_token_id, device=completions.device))
+            kept = ((stops.cumsum(dim=1) - stops.long()) == 0).to(sequences.dtype)  # no EOS before this token
+        attention_mask = torch.cat([prompt_mask.to(sequences.dtype), kept], dim=1)
+        labels = sequences.masked_fill(attention_mask == 0, -100)
+        labels[:, :prompts.shape[1]] = -100
+        return sequences, attention_mask, labels
+
     teacher_backend = None
 
     # -- data: SFT-style rows become prompt ids + the dataset's completion ids ------------------

@@ -36,6 +36,11 @@ class RewardModelScorer:
     batch_size: int = 8
     max_length: int | None = None
 
+    @property
+    def processing_class(self) -> Any:
+        """The tokenizer it scores with (TRL's ``reward_processing_classes`` entry)."""
+        return self.tokenizer
+
     def text(self, prompt: Any, completion: Any) -> tuple[str, bool]:
         """The text to score, and whether it already holds the template's special tokens."""
         if _is_conversation(prompt):
@@ -115,13 +120,22 @@ class DeferredRewardModel:
     _scorer: RewardModelScorer | None = None
     _loading: dict = attrs.field(factory=pretrained_kwargs)  # the run's trust_remote_code, for the later load
 
+    @property
+    def processing_class(self) -> Any:
+        """The tokenizer it scores with (TRL's ``reward_processing_classes`` entry): the one given, else its
+        folder's, loaded on first use."""
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.path, **self._loading)
+        return self.tokenizer
+
     def __call__(self, prompts: list, completions: list, **kwargs) -> list[float]:
         if self._scorer is None:
-            from transformers import AutoModelForSequenceClassification, AutoTokenizer
+            from transformers import AutoModelForSequenceClassification
 
             model = AutoModelForSequenceClassification.from_pretrained(self.path, **self._loading)
-            tokenizer = self.tokenizer if self.tokenizer is not None else AutoTokenizer.from_pretrained(self.path, **self._loading)
-            self._scorer = reward_model_function(model, tokenizer).fn
+            self._scorer = reward_model_function(model, self.processing_class).fn
         return self._scorer(prompts, completions, **kwargs)
 
 

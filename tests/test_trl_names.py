@@ -1,0 +1,137 @@
+"""TRL 1.16's public attributes and helpers that TRL users call, on plait's trainers (issue 36):
+``ref_model``, ``aux_loss_enabled``, ``use_vllm``, ``generation_config``, ``reward_processing_classes``,
+an online trainer's ``eval_dataset`` kept as the user passed it, and GKD's ``generate_on_policy_outputs``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from datasets import Dataset
+
+import plait
+from plait.testing.tiny_model import tiny_model_path
+
+PAIRS = Dataset.from_list([{"prompt": "Tell me.", "chosen": " Good.", "rejected": " Bad."}] * 4)
+COMPLETIONS = PAIRS.rename_column("chosen", "completion").remove_columns("rejected")
+PROMPTS = Dataset.from_list([{"prompt": "Tell me."}, {"prompt": "Say it."}] * 2)
+
+
+def length(completion_ids, **kwargs):
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def config(cls, tmp_path, **values):
+    return cls(output_dir=str(tmp_path), report_to="none", per_device_train_batch_size=2, per_device_eval_batch_size=2,
+               max_steps=1, **values)
+
+
+def grpo(tmp_path, **values):
+    values = {"num_generations": 2, "max_completion_length": 4, **values}
+    return config(plait.GRPOConfig, tmp_path, **values)
+
+
+def tiny_classifier(tokenizer):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    return LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_labels=1, pad_token_id=tokenizer.pad_token_id))
+
+
+def test_ref_model_is_the_separate_frozen_reference_or_none_as_in_trl(tmp_path):
+    from peft import LoraConfig
+
+    model = str(tiny_model_path())
+    dpo = plait.DPOTrainer(model, args=config(plait.DPOConfig, tmp_path), train_dataset=PAIRS)
+    reference, policy = dpo.ref_model, dpo.model
+    assert reference is not policy and not any(p.requires_grad for p in reference.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), policy.state_dict().values()))
+    lora = LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    assert plait.DPOTrainer(model, args=config(plait.DPOConfig, tmp_path), train_dataset=PAIRS,
+                            peft_config=lora).ref_model is None  # the policy with its adapters off
+    precomputed = config(plait.DPOConfig, tmp_path, precompute_ref_log_probs=True)
+    assert plait.DPOTrainer(model, args=precomputed, train_dataset=PAIRS).ref_model is None
+    assert isinstance(plait.GRPOTrainer(model, reward_funcs=length, args=grpo(tmp_path, beta=0.1),
+                                        train_dataset=PROMPTS).ref_model, torch.nn.Module)
+    assert plait.GRPOTrainer(model, reward_funcs=length, args=grpo(tmp_path), train_dataset=PROMPTS).ref_model is None
+    sft = plait.SFTTrainer(model, args=config(plait.SFTConfig, tmp_path), train_dataset=COMPLETIONS)
+    assert not hasattr(sft, "ref_model")  # as TRL's SFTTrainer: no reference at all
+
+
+def test_online_trainer_attributes_reflect_its_sampling_and_rewards(tmp_path):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    scorer = tiny_classifier(tokenizer)
+    args = grpo(tmp_path, temperature=0.7, top_p=0.9, top_k=5, max_completion_length=6, eval_strategy="steps",
+                eval_steps=1)
+    evaluation = {"short": PROMPTS, "again": PROMPTS}
+    trainer = plait.GRPOTrainer(str(tiny_model_path()), reward_funcs=[length, scorer], args=args, train_dataset=PROMPTS,
+                                eval_dataset=evaluation, reward_processing_classes=[None, tokenizer])
+    generation = trainer.generation_config
+    assert isinstance(generation, GenerationConfig)
+    assert (generation.temperature, generation.top_p, generation.top_k, generation.max_new_tokens, generation.do_sample) == (
+        0.7, 0.9, 5, 6, True)
+    assert trainer.use_vllm is False and trainer.aux_loss_enabled is False
+    assert trainer.reward_processing_classes == [None, tokenizer]
+    # TRL's GRPO/RLOO keep eval_dataset as given; evaluation reads its prepared rows
+    assert trainer.eval_dataset is evaluation and trainer.eval_dataset["short"] is PROMPTS
+    metrics = trainer.evaluate()
+    assert metrics["eval_rewards/length/mean"] > 0 and {"eval_short_loss", "eval_again_loss"} <= set(metrics)
+    assert trainer.evaluate(eval_dataset=PROMPTS)["eval_rewards/length/mean"] > 0
+
+
+def test_a_reward_model_folder_gives_its_own_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    tiny_classifier(tokenizer).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    trainer = plait.RLOOTrainer(str(tiny_model_path()), reward_funcs=[str(tmp_path / "rm"), length],
+                                args=config(plait.RLOOConfig, tmp_path, num_generations=2, max_completion_length=4),
+                                train_dataset=PROMPTS)
+    folder_tokenizer, none = trainer.reward_processing_classes
+    assert none is None and folder_tokenizer.get_vocab() == tokenizer.get_vocab()
+    assert trainer.eval_dataset is None
+
+
+def test_aux_loss_is_enabled_exactly_for_a_mixture_of_experts_model(tmp_path):
+    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    moe = MixtralForCausalLM(MixtralConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=2, num_experts_per_tok=1, router_aux_loss_coef=0.02,
+        pad_token_id=tokenizer.pad_token_id))
+    assert plait.SFTTrainer(moe, args=config(plait.SFTConfig, tmp_path), train_dataset=COMPLETIONS,
+                            processing_class=tokenizer).aux_loss_enabled is True
+    assert plait.SFTTrainer(moe, args=config(plait.SFTConfig, tmp_path, router_aux_loss_coef=0.0), train_dataset=COMPLETIONS,
+                            processing_class=tokenizer).aux_loss_enabled is False
+
+
+class Echo:
+    """A model whose ``generate`` appends fixed completions: what ``generate_on_policy_outputs`` reads."""
+
+    def __init__(self, completions):
+        self.completions = torch.tensor(completions)
+
+    def generate(self, input_ids, attention_mask, generation_config, return_dict_in_generate):
+        assert return_dict_in_generate and attention_mask.shape == input_ids.shape
+        return SimpleNamespace(sequences=torch.cat([input_ids, self.completions], dim=1))
+
+
+@pytest.mark.parametrize("eos, kept", [(7, [[1, 1, 0, 0], [1, 1, 1, 1]]),  # the first EOS is kept, what follows is not
+                                       ([7, 8], [[1, 1, 0, 0], [1, 1, 0, 0]]),  # any of several stop tokens
+                                       (None, [[1, 1, 1, 1], [1, 1, 1, 1]])])  # no EOS id: every sampled token
+def test_generate_on_policy_outputs_masks_after_the_first_eos_and_the_prompt(eos, kept):
+    from transformers import GenerationConfig
+
+    inputs = {"prompts": torch.tensor([[0, 5, 6], [4, 5, 6]]), "prompt_attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])}
+    model = Echo([[9, 7, 9, 7], [9, 8, 9, 9]])
+    ids, mask, labels = plait.GKDTrainer.generate_on_policy_outputs(model, inputs, GenerationConfig(eos_token_id=eos))
+    assert ids.tolist() == [[0, 5, 6, 9, 7, 9, 7], [4, 5, 6, 9, 8, 9, 9]]
+    assert mask.tolist() == [[0, 1, 1, *kept[0]], [1, 1, 1, *kept[1]]]
+    assert labels.tolist() == [[-100] * 3 + [t if m else -100 for t, m in zip(row[3:], k)] for row, k in zip(ids.tolist(), kept)]
