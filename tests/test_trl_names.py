@@ -4,6 +4,7 @@ an online trainer's ``eval_dataset`` kept as the user passed it, and GKD's ``gen
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -135,3 +136,54 @@ def test_generate_on_policy_outputs_masks_after_the_first_eos_and_the_prompt(eos
     assert ids.tolist() == [[0, 5, 6, 9, 7, 9, 7], [4, 5, 6, 9, 8, 9, 9]]
     assert mask.tolist() == [[0, 1, 1, *kept[0]], [1, 1, 1, *kept[1]]]
     assert labels.tolist() == [[-100] * 3 + [t if m else -100 for t, m in zip(row[3:], k)] for row, k in zip(ids.tolist(), kept)]
+
+
+# -- a row's tools as JSON text and its chat_template_kwargs reach the tokenised rows (SFT, DPO, KTO) --------------
+
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+def loud_tokenizer():
+    """The tiny tokenizer with a template that reads a variable: ``loud`` opens the text with LOUD."""
+    from transformers import AutoTokenizer
+
+    from plait.testing.tiny_model import chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    tokenizer.chat_template = "{%- if loud -%}{{- 'LOUD ' -}}{%- endif -%}" + chat_template()
+    return tokenizer
+
+
+def rows_with_rendering(columns: dict) -> Dataset:
+    """Two rows of ``columns``: the first quiet with its tools as JSON text, the second loud without tools."""
+    return Dataset.from_list([{**columns, "tools": json.dumps([WEATHER]), "chat_template_kwargs": {"loud": False}},
+                              {**columns, "tools": "[]", "chat_template_kwargs": {"loud": True}}])
+
+
+@pytest.mark.parametrize("method, columns, sequences", [
+    ("sft", {"messages": [user("Rain?"), assistant(" Yes.")]}, [("input_ids",)]),
+    ("dpo", {"prompt": [user("Rain?")], "chosen": [assistant(" Yes.")], "rejected": [assistant(" No.")]},
+     [("prompt_ids", "chosen_ids"), ("prompt_ids", "rejected_ids")]),
+    ("kto", {"prompt": [user("Rain?")], "completion": [assistant(" Yes.")], "label": True},
+     [("prompt_ids", "completion_ids")]),
+])
+def test_a_rows_json_tools_and_template_kwargs_reach_its_tokens(tmp_path, method, columns, sequences):
+    tokenizer = loud_tokenizer()
+    record = plait.default_plugins().methods.get(method, family="method").obj
+    args = config(record.config, tmp_path, **({"desirable_weight": 1.0} if method == "kto" else {}))
+    trainer = record.trainer(str(tiny_model_path()), args=args, train_dataset=rows_with_rendering(columns),
+                             processing_class=tokenizer)
+    for row, (tools, loud) in zip(trainer.train_dataset, [([WEATHER], False), (None, True)]):
+        for keys, completion in zip(sequences, ("chosen", "rejected") if method == "dpo" else (None,)):
+            messages = columns.get("messages") or columns["prompt"] + columns[completion or "completion"]
+            expected = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, loud=loud)
+            assert tokenizer.decode([t for key in keys for t in row[key]]) == expected

@@ -164,7 +164,7 @@ def render_prompt(processing_class: Any, prompt: Sequence[Mapping[str, Any]], *,
     """Render a prompt for generation: continue a final assistant turn, else open a new one."""
     continued = bool(prompt) and prompt[-1]["role"] == "assistant"
     if not prompt:
-        return _assistant_header(processing_class, tools)
+        return _assistant_header(processing_class, tools, template_kwargs)
     return render(processing_class, prompt, tools=tools, add_generation_prompt=not continued,
                   continue_final_message=continued, template_kwargs=template_kwargs)
 
@@ -201,15 +201,16 @@ def join(prompt: list[dict], completion: list[dict]) -> list[dict]:
 
 
 def encode_prompt_completion(processing_class: Any, prompt: Any, completion: Any, *, tools: Any = None,
-                             images: Sequence | None = None) -> tuple[list[int], list[int]]:
+                             images: Sequence | None = None,
+                             template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the prompt and of the completion, split at their longest common token prefix.
 
     Standard strings are tokenised as they are (with the tokenizer's own special tokens, e.g. a
-    BOS); conversations are rendered once with the chat template.
+    BOS); conversations are rendered once with the chat template (given ``template_kwargs``).
     """
     if is_conversational(prompt):
-        prompt_text = render_prompt(processing_class, prompt, tools=tools)
-        full_text = render(processing_class, join(prompt, completion), tools=tools)
+        prompt_text = render_prompt(processing_class, prompt, tools=tools, template_kwargs=template_kwargs)
+        full_text = render(processing_class, join(prompt, completion), tools=tools, template_kwargs=template_kwargs)
         prompt_ids = encode(processing_class, prompt_text, special_tokens=False, images=images)
         full_ids = encode(processing_class, full_text, special_tokens=False, images=images)
     else:
@@ -222,30 +223,33 @@ def encode_prompt_completion(processing_class: Any, prompt: Any, completion: Any
 # -- assistant masks ---------------------------------------------------------------------------
 
 
-def _assistant_header(processing_class: Any, tools: Any) -> str:
+def _assistant_header(processing_class: Any, tools: Any, template_kwargs: Mapping[str, Any] | None = None) -> str:
     # The text before an assistant's content when it opens the conversation.
-    text = render(processing_class, [{"role": "assistant", "content": _SENTINEL}], tools=tools)
+    text = render(processing_class, [{"role": "assistant", "content": _SENTINEL}], tools=tools,
+                  template_kwargs=template_kwargs)
     return text[: text.index(_SENTINEL)] if _SENTINEL in text else ""
 
 
-def assistant_spans(processing_class: Any, messages: list[dict], *, tools: Any = None) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(processing_class: Any, messages: list[dict], *, tools: Any = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns, by prefix diffing.
 
     Raises :class:`PlaitError` when the template is not prefix-preserving.
     """
     eos = getattr(tokenizer_of(processing_class), "eos_token", None)
-    full = render(processing_class, messages, tools=tools)
+    full = render(processing_class, messages, tools=tools, template_kwargs=template_kwargs)
     spans = []
     for i, message in enumerate(messages):
-        upto = render(processing_class, messages[: i + 1], tools=tools)
+        upto = render(processing_class, messages[: i + 1], tools=tools, template_kwargs=template_kwargs)
         if not full.startswith(upto):
             raise _not_prefix_preserving(i + 1)
         if message["role"] != "assistant":
             continue
         if i == 0:
-            head = _assistant_header(processing_class, tools)
+            head = _assistant_header(processing_class, tools, template_kwargs)
         else:
-            head = render(processing_class, messages[:i], tools=tools, add_generation_prompt=True)
+            head = render(processing_class, messages[:i], tools=tools, add_generation_prompt=True,
+                          template_kwargs=template_kwargs)
         if not upto.startswith(head):
             raise _not_prefix_preserving(i, generation_prompt=True)
         turn = upto[len(head):]
@@ -273,7 +277,8 @@ def _not_prefix_preserving(n: int, *, generation_prompt: bool = False, content: 
 
 
 def encode_with_assistant_mask(processing_class: Any, messages: list[dict], *, tools: Any = None,
-                               images: Sequence | None = None) -> tuple[list[int], list[int]]:
+                               images: Sequence | None = None,
+                               template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[int]]:
     """Token ids of a conversation and a 0/1 mask of its assistant tokens.
 
     Uses the template's ``{% generation %}`` markers when present, else :func:`assistant_spans`.
@@ -282,23 +287,26 @@ def encode_with_assistant_mask(processing_class: Any, messages: list[dict], *, t
     tokenizer = tokenizer_of(processing_class)
     if has_generation_markers(tokenizer):
         out = tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            messages, tools=tools or None, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+            **(template_kwargs or {}),
         )
         ids, mask = list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
     else:
-        ids, mask = derived_assistant_mask(tokenizer, messages, tools=tools)
+        ids, mask = derived_assistant_mask(tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
     if not images:
         return ids, mask
     from . import vision
 
-    expanded = vision.encode(processing_class, render(processing_class, messages, tools=tools), images, special_tokens=False)
+    text = render(processing_class, messages, tools=tools, template_kwargs=template_kwargs)
+    expanded = vision.encode(processing_class, text, images, special_tokens=False)
     return expanded, vision.carry_mask(ids, expanded, mask)
 
 
-def derived_assistant_mask(processing_class: Any, messages: list[dict], *, tools: Any = None) -> tuple[list[int], list[int]]:
+def derived_assistant_mask(processing_class: Any, messages: list[dict], *, tools: Any = None,
+                           template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[int]]:
     """Assistant mask from prefix diffing, whatever markers the template has (see module docstring)."""
     tokenizer = tokenizer_of(processing_class)
-    text, spans = assistant_spans(tokenizer, messages, tools=tools)
+    text, spans = assistant_spans(tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [
         int(any(start < span_end and end > span_start for span_start, span_end in spans))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
 import logging
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -247,7 +248,7 @@ class Encoder:
     truncation_mode: str = "keep_start"
     completion_only_loss: bool | None = None
     assistant_only_loss: bool = False
-    chat_template_kwargs: dict | None = None  # template variables for rendering prompts (prompt_only)
+    chat_template_kwargs: dict | None = None  # template variables for rendering conversations (chat_inputs)
 
     @property
     def eos(self) -> list[int]:
@@ -257,9 +258,25 @@ class Encoder:
     def with_eos(self, ids: list[int]) -> list[int]:
         return ids if ids[-1:] == self.eos else ids + self.eos
 
-    def pair(self, prompt: Any, completion: Any, tools: Any, images: Any = None) -> tuple[list[int], list[int]]:
-        prompt_ids, completion_ids = chat.encode_prompt_completion(self.processing_class, prompt, completion, tools=tools,
-                                                                   images=images)
+    def chat_inputs(self, row: Mapping[str, Any]) -> dict[str, Any]:
+        """What rendering a row's conversation is given, as TRL's trainers give it: the row's ``tools`` (a JSON
+        string, the form tabular files store them in, read as JSON) and the template variables (the run's
+        ``chat_template_kwargs``, updated by the row's own ``chat_template_kwargs`` column)."""
+        tools = row.get("tools")
+        if isinstance(tools, str):
+            try:
+                tools = json.loads(tools)
+            except json.JSONDecodeError as err:
+                raise PlaitError(f"column 'tools' holds {tools!r:.60}, which is not JSON ({err.msg}); give a list of "
+                                 "JSON schemas, or their JSON text") from None
+        own = {k: v for k, v in (row.get("chat_template_kwargs") or {}).items() if v is not None}  # None: Arrow's fill
+        return {"tools": tools, "template_kwargs": {**(self.chat_template_kwargs or {}), **own} or None}
+
+    def pair(self, row: Mapping[str, Any], completion: Any) -> tuple[list[int], list[int]]:
+        """Token ids of the row's prompt and of ``completion`` after it."""
+        prompt = row["prompt"]
+        prompt_ids, completion_ids = chat.encode_prompt_completion(self.processing_class, prompt, completion,
+                                                                   images=row.get("images"), **self.chat_inputs(row))
         if not chat.is_conversational(prompt):
             completion_ids = self.with_eos(completion_ids)
         return prompt_ids, completion_ids
@@ -335,16 +352,16 @@ def _completion_untrained(enc: Encoder, side: str, prompt: list[int], before: in
 
 
 def _encode_language_modeling(row: dict, enc: Encoder, kind: str) -> Encoded:
-    tools, images = row.get("tools"), row.get("images")
+    images, rendering = row.get("images"), enc.chat_inputs(row)
     if kind == "prompt_completion":
         prompt, completion = row["prompt"], row["completion"]
-        prompt_ids, completion_ids = enc.pair(prompt, completion, tools, images)
+        prompt_ids, completion_ids = enc.pair(row, completion)
         ids = prompt_ids + completion_ids
         completion_only = True if enc.completion_only_loss is None else enc.completion_only_loss
         mask = [int(not completion_only)] * len(prompt_ids) + [1] * len(completion_ids)
         if enc.assistant_only_loss:
             full_ids, assistant = chat.encode_with_assistant_mask(enc.processing_class, chat.join(prompt, completion),
-                                                                  tools=tools, images=images)
+                                                                  images=images, **rendering)
             if full_ids != ids:
                 raise PlaitError("assistant_only_loss: the template renders the conversation differently from prompt + completion; set assistant_only_loss=False")
             mask = [m & a for m, a in zip(mask, assistant)]
@@ -359,9 +376,9 @@ def _encode_language_modeling(row: dict, enc: Encoder, kind: str) -> Encoded:
     text = row["text"]
     if chat.is_conversational(text):
         if enc.assistant_only_loss:
-            ids, mask = chat.encode_with_assistant_mask(enc.processing_class, text, tools=tools, images=images)
+            ids, mask = chat.encode_with_assistant_mask(enc.processing_class, text, images=images, **rendering)
         else:
-            ids = chat.encode(enc.processing_class, chat.render(enc.processing_class, text, tools=tools),
+            ids = chat.encode(enc.processing_class, chat.render(enc.processing_class, text, **rendering),
                               special_tokens=False, images=images)
             mask = [1] * len(ids)
     else:
@@ -387,9 +404,8 @@ def _lm_untrained(enc: Encoder, mask: list[int], kept: list[int], value: Any) ->
 
 
 def _encode_preference(row: dict, enc: Encoder, kind: str) -> Encoded:
-    tools = row.get("tools")
-    prompt_c, chosen = enc.pair(row["prompt"], row["chosen"], tools, row.get("images"))
-    prompt_r, rejected = enc.pair(row["prompt"], row["rejected"], tools, row.get("images"))
+    prompt_c, chosen = enc.pair(row, row["chosen"])
+    prompt_r, rejected = enc.pair(row, row["rejected"])
     # Both boundaries are prefixes of the same rendered prompt: share the shorter one.
     n = min(len(prompt_c), len(prompt_r))
     prompt_ids, chosen, rejected = prompt_c[:n], prompt_c[n:] + chosen, prompt_r[n:] + rejected
@@ -406,7 +422,7 @@ def _encode_preference(row: dict, enc: Encoder, kind: str) -> Encoded:
 
 
 def _encode_unpaired(row: dict, enc: Encoder, kind: str) -> Encoded:
-    prompt_ids, completion_ids = enc.pair(row["prompt"], row["completion"], row.get("tools"), row.get("images"))
+    prompt_ids, completion_ids = enc.pair(row, row["completion"])
     p, (c,), overlong = enc.fit(len(prompt_ids), [len(completion_ids)])
     out = {"prompt_ids": prompt_ids[p], "completion_ids": completion_ids[c], "label": row["label"]}
     why, detail = _completion_untrained(enc, "completion", out["prompt_ids"], len(completion_ids),
@@ -418,8 +434,7 @@ def _encode_unpaired(row: dict, enc: Encoder, kind: str) -> Encoded:
 def _encode_prompt_only(row: dict, enc: Encoder, kind: str) -> Encoded:
     prompt = row["prompt"]
     if chat.is_conversational(prompt):
-        text = chat.render_prompt(enc.processing_class, prompt, tools=row.get("tools"),
-                                  template_kwargs=enc.chat_template_kwargs)
+        text = chat.render_prompt(enc.processing_class, prompt, **enc.chat_inputs(row))
         ids = chat.encode(enc.processing_class, text, special_tokens=False, images=row.get("images"))
     else:
         ids = chat.encode(enc.processing_class, prompt, special_tokens=True, images=row.get("images"))
@@ -511,7 +526,8 @@ def prepare_dataset(
     (``"error"``); other long rows are truncated per ``truncation_mode`` and reported.
     ``completion_only_loss=None`` trains on completions only for prompt-completion data;
     ``assistant_only_loss`` trains only on assistant turns of conversations. ``chat_template_kwargs``
-    are template variables for rendering conversational prompts (task ``prompt_only``).
+    are template variables for rendering conversations, updated by a row's own ``chat_template_kwargs``
+    column (:meth:`Encoder.chat_inputs`).
     ``text_field`` names the column read as language-modelling text (TRL's ``dataset_text_field``).
     """
     import datasets
