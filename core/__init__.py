@@ -32,10 +32,11 @@ SCRIPT_ARGS = ("ModelConfig", "ScriptArguments", "DatasetConfig", "DatasetMixtur
 DATA_UTILS = ("apply_chat_template", "maybe_apply_chat_template", "extract_prompt", "maybe_extract_prompt",
               "unpair_preference_dataset", "maybe_unpair_preference_dataset", "is_conversational", "pack_dataset",
               "truncate_dataset", "clone_chat_template", "is_conversational_from_value", "maybe_convert_to_chatml",
-              "DataCollatorForLanguageModeling",
+              "prepare_multimodal_messages", "DataCollatorForLanguageModeling", "DataCollatorForVisionLanguageModeling",
               "DataCollatorForPreference", "DataCollatorForUnpairedPreference")
 CALLBACKS = ("LogCompletionsCallback", "SyncRefModelCallback", "RichProgressCallback", "BEMACallback",
              "MergeConfig", "MergeModelCallback")
+MODELS = ("prepare_deepspeed",)  # TRL's model helpers (plait.trl.models)
 
 
 def __getattr__(name: str):
@@ -47,10 +48,11 @@ def __getattr__(name: str):
         from .trl import script_args
 
         return getattr(script_args, name)
-    if name in DATA_UTILS or name in CALLBACKS:  # imported on first use, as the script helpers
+    if name in DATA_UTILS or name in CALLBACKS or name in MODELS:  # imported on first use, as the script helpers
         from importlib import import_module
 
-        return getattr(import_module(".trl.data_utils" if name in DATA_UTILS else ".trl.callbacks", __name__), name)
+        module = ".trl.data_utils" if name in DATA_UTILS else ".trl.callbacks" if name in CALLBACKS else ".trl.models"
+        return getattr(import_module(module, __name__), name)
     # DPOConfig, DPOTrainer, ... come from whichever plugin registered the method.
     if name[:1].isupper():
         for component in default_plugins().methods:

@@ -187,3 +187,80 @@ def test_a_rows_json_tools_and_template_kwargs_reach_its_tokens(tmp_path, method
             messages = columns.get("messages") or columns["prompt"] + columns[completion or "completion"]
             expected = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, loud=loud)
             assert tokenizer.decode([t for key in keys for t in row[key]]) == expected
+
+
+# -- TRL's names a script imports: prepare_multimodal_messages, DataCollatorForVisionLanguageModeling, prepare_deepspeed
+
+
+def test_prepare_multimodal_messages_places_images_as_trl():
+    chatted = [{"role": "system", "content": "Be brief."}, user("Colour?"), assistant("Red."), user("Sure?")]
+    assert plait.prepare_multimodal_messages(chatted, ["A", "B"]) == [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "image", "image": "A"}, {"type": "image", "image": "B"},
+                                     {"type": "text", "text": "Colour?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Red."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Sure?"}]}]
+    assert chatted[1] == user("Colour?")  # the given messages are left as they are
+    placed = [{"role": "user", "content": [{"type": "image", "image": "X"}, {"type": "image"}]}]
+    assert plait.prepare_multimodal_messages(placed, ["Y"])[0]["content"] == [{"type": "image", "image": "X"},
+                                                                              {"type": "image", "image": "Y"}]
+    with pytest.raises(plait.PlaitError, match="2 images for 3 image parts"):  # TRL's count: parts already there too
+        plait.prepare_multimodal_messages([{"role": "user", "content": [{"type": "image"}]}, user("b")], ["A", "B"])
+
+
+def test_vision_language_collator_gives_trls_batch(tmp_path):
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from plait.testing.tiny_vlm import tiny_vlm_path
+
+    processor = AutoProcessor.from_pretrained(tiny_vlm_path())
+    red, blue = Image.new("RGB", (32, 32), (220, 30, 30)), Image.new("RGB", (32, 32), (30, 60, 220))
+    rows = [{"images": [red], "messages": [user("Colour?"), assistant("Red.")]},
+            {"image": blue, "messages": [user("What colour is it?"), assistant("Blue.")]}]
+    batch = plait.DataCollatorForVisionLanguageModeling(processor)([dict(row) for row in rows])
+    # what TRL's collator computes: the processor's own template over the messages with their images placed
+    expected = processor.apply_chat_template(
+        [plait.prepare_multimodal_messages(row["messages"], row.get("images") or [row["image"]]) for row in rows],
+        tokenize=True, return_dict=True, return_tensors="pt", processor_kwargs={"padding": True, "padding_side": "right"})
+    assert sorted(batch) == ["attention_mask", "input_ids", "labels", "pixel_values"]
+    for key in ("input_ids", "attention_mask", "pixel_values"):
+        torch.testing.assert_close(batch[key], expected[key])
+    image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    kept = (expected["attention_mask"] == 1) & (expected["input_ids"] != image_token)  # plait: no loss on image tokens
+    assert batch["labels"].tolist() == expected["input_ids"].masked_fill(~kept, -100).tolist()
+
+    completion = {"images": [red], "prompt": [user("Colour?")], "completion": [assistant("Red.")]}
+    only = plait.DataCollatorForVisionLanguageModeling(processor, completion_only_loss=True)([completion])
+    assert processor.tokenizer.decode(only["labels"][0][only["labels"][0] != -100]) == "Red.<|im_end|>\n"
+    with pytest.raises(plait.PlaitError, match="max_length=20 cuts into an example's image tokens"):
+        plait.DataCollatorForVisionLanguageModeling(processor, max_length=20)([dict(rows[0])])
+
+
+def test_prepare_deepspeed_gives_deepspeed_an_evaluation_config(monkeypatch):
+    seen = {}
+
+    class Engine:
+        def eval(self):
+            seen["eval"] = True
+
+    def initialize(model, config):
+        seen["config"] = config
+        return Engine(), None, None, None
+
+    monkeypatch.setitem(__import__("sys").modules, "deepspeed", SimpleNamespace(initialize=initialize))
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=8))
+    training = {"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR"}, "train_batch_size": 4,
+                "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=training)))
+    assert isinstance(plait.prepare_deepspeed(model, accelerator), Engine) and seen["eval"]
+    assert seen["config"] == {"train_batch_size": 4, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "cpu"}, "reduce_bucket_size": 64, "stage3_prefetch_bucket_size": 57.6,
+        "stage3_param_persistence_threshold": 80}}
+    assert "optimizer" in training  # the run's own config is untouched
+    training["zero_optimization"]["stage"] = 2
+    plait.prepare_deepspeed(model, accelerator)
+    assert seen["config"]["zero_optimization"] == {"stage": 0, "offload_param": {"device": "cpu"}}
+    without = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None))
+    with pytest.raises(plait.PlaitError, match="without DeepSpeed"):
+        plait.prepare_deepspeed(model, without)

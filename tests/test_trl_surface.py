@@ -178,6 +178,11 @@ TRL_DATA_PARAMETERS = {
                                         "return_tensors"],
     "DataCollatorForPreference": ["pad_token_id", "max_length", "truncation_mode", "pad_to_multiple_of", "return_tensors"],
     "DataCollatorForUnpairedPreference": ["pad_token_id", "max_length", "pad_to_multiple_of", "return_tensors"],
+    "prepare_multimodal_messages": ["messages", "images"],
+    "DataCollatorForVisionLanguageModeling": ["processor", "max_length", "completion_only_loss", "pad_to_multiple_of",
+                                              "dataset_text_field", "assistant_only_loss", "chat_template",
+                                              "return_tensors"],
+    "prepare_deepspeed": ["model", "accelerator"],  # trl.models
 }
 
 

@@ -302,6 +302,19 @@ def encode_with_assistant_mask(processing_class: Any, messages: list[dict], *, t
     return expanded, vision.carry_mask(ids, expanded, mask)
 
 
+def encode_conversation(processing_class: Any, messages: list[dict], *, assistant_only: bool = False, tools: Any = None,
+                        images: Sequence | None = None,
+                        template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of a rendered conversation and the 0/1 mask of the tokens it trains on: its assistant turns with
+    ``assistant_only`` (:func:`encode_with_assistant_mask`), else every token."""
+    if assistant_only:
+        return encode_with_assistant_mask(processing_class, messages, tools=tools, images=images,
+                                          template_kwargs=template_kwargs)
+    text = render(processing_class, messages, tools=tools, template_kwargs=template_kwargs)
+    ids = encode(processing_class, text, special_tokens=False, images=images)
+    return ids, [1] * len(ids)
+
+
 def derived_assistant_mask(processing_class: Any, messages: list[dict], *, tools: Any = None,
                            template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[int]]:
     """Assistant mask from prefix diffing, whatever markers the template has (see module docstring)."""

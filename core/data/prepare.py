@@ -375,12 +375,8 @@ def _encode_language_modeling(row: dict, enc: Encoder, kind: str) -> Encoded:
         return Encoded(tokens, removed, len(prompt_ids) if overlong else 0, why, detail)
     text = row["text"]
     if chat.is_conversational(text):
-        if enc.assistant_only_loss:
-            ids, mask = chat.encode_with_assistant_mask(enc.processing_class, text, images=images, **rendering)
-        else:
-            ids = chat.encode(enc.processing_class, chat.render(enc.processing_class, text, **rendering),
-                              special_tokens=False, images=images)
-            mask = [1] * len(ids)
+        ids, mask = chat.encode_conversation(enc.processing_class, text, assistant_only=enc.assistant_only_loss,
+                                             images=images, **rendering)
     else:
         ids = enc.with_eos(chat.encode(enc.processing_class, text, special_tokens=True, images=images))
         mask = [1] * len(ids)

@@ -122,6 +122,38 @@ def maybe_apply_chat_template(example: dict[str, list[dict[str, str]]], processi
     return example
 
 
+def prepare_multimodal_messages(messages: list[dict[str, Any]], images: list | None = None) -> list[dict[str, Any]]:
+    """Messages in the structured form a vision-language processor's template reads, ``images`` placed in them
+    (TRL's helper). A string content becomes one text part, and the first user message whose content is a string
+    gets one image part per image before its text; then the image parts that hold no image yet, in order, each
+    take the next of ``images``. New message dicts are returned; the given ones are left as they are."""
+    images = list(images or [])
+    structured, placed = [], False
+    for position, message in enumerate(messages):
+        role, content = message["role"], message.get("content")
+        if role not in ("system", "user", "assistant", "tool"):
+            raise PlaitError(f"prepare_multimodal_messages: message {position} has role {role!r}; use 'system', "
+                             "'user', 'assistant' or 'tool'")
+        if isinstance(content, str):
+            parts = [{"type": "text", "text": content}]
+            if role == "user" and not placed:
+                parts, placed = [{"type": "image"} for _ in images] + parts, True
+            message = {**message, "content": parts}
+        structured.append(message)
+
+    def empty(part) -> bool:
+        return part["type"] == "image" and "image" not in part
+
+    holders = [m for m in structured if m["role"] != "tool" and m.get("content")]
+    slots = sum(empty(part) for m in holders for part in m["content"])
+    if slots != len(images):
+        raise PlaitError(f"prepare_multimodal_messages: {len(images)} images for {slots} image parts without an image; "
+                         "give one image per {'type': 'image'} part")
+    remaining = iter(images)
+    return [{**m, "content": [{**part, "image": next(remaining)} if empty(part) else part for part in m["content"]]}
+            if any(m is h for h in holders) and any(map(empty, m["content"])) else m for m in structured]
+
+
 def extract_prompt(example: dict[str, Sequence]) -> dict[str, Sequence]:
     """``{chosen, rejected}`` with a shared beginning -> ``{prompt, chosen, rejected}`` (plait's
     ``format.implicit_preference``: whole leading messages, or text cut at a word boundary)."""
@@ -365,3 +397,85 @@ def _plait_key(key: str) -> str:
 
 def _trl_key(key: str) -> str:
     return key.replace("kl_", "KL_", 1) if key.startswith(("kl_", "ref_kl_")) else key
+
+
+class DataCollatorForVisionLanguageModeling:
+    """TRL's vision-language SFT collator (``trl.trainer.sft_trainer``): raw rows with their images, tokenised when
+    batched, through plait's image path. Each example holds ``images`` (or one ``image``) and either ``messages``
+    (string contents get their image parts as :func:`prepare_multimodal_messages` places them), text under
+    ``dataset_text_field`` with the processor's image token in it, or ``prompt`` and ``completion``. Its tokens,
+    every image placeholder expanded by the processor (:mod:`plait.data.chat`), keep their first ``max_length``;
+    ``collator.language_modeling`` inside ``collator.images`` makes the batch. TRL's keys come back: ``input_ids``,
+    ``attention_mask``, ``labels`` and the image processor's tensors (``pixel_values``, ...). ``labels`` are -100 on
+    padding and image tokens, on the prompt with ``completion_only_loss``, outside assistant turns with
+    ``assistant_only_loss``."""
+
+    def __init__(self, processor, max_length: int | None = None, completion_only_loss: bool = False,
+                 pad_to_multiple_of: int | None = None, dataset_text_field: str = "text",
+                 assistant_only_loss: bool = False, chat_template: str | None = None, return_tensors: str = "pt"):
+        from plait.data.vision import image_processor_of, image_token_ids
+
+        name = type(self).__name__
+        if return_tensors != "pt":
+            raise PlaitError(f"{name}: return_tensors={return_tensors!r} is not supported; plait collates to 'pt'")
+        if image_processor_of(processor) is None:
+            raise PlaitError(f"{name}: processor is a {type(processor).__name__}, which processes no images; give the "
+                             "model's AutoProcessor")
+        self.processor, self.max_length, self.completion_only_loss = processor, max_length, completion_only_loss
+        self.pad_to_multiple_of, self.dataset_text_field = pad_to_multiple_of, dataset_text_field
+        self.assistant_only_loss, self.chat_template, self.return_tensors = assistant_only_loss, chat_template, return_tensors
+        text = _registered("collators", "collator.language_modeling", name, family="collator").obj
+        images = _registered("collators", "collator.images", name, family="collator").obj
+        self._collate = images(processor, inner=text(processor, pad_to_multiple_of=pad_to_multiple_of))
+        self._image_tokens = image_token_ids(processor)
+
+    def _tokens(self, example: dict[str, Any]) -> dict[str, Any]:
+        """One example's ``input_ids`` and ``completion_mask`` (1 where ``labels`` keep the token), and its images."""
+        images = example["images"] if "images" in example else [example["image"]] if "image" in example else []
+        rendering = {"template_kwargs": {"chat_template": self.chat_template} if self.chat_template else None}
+        if self.assistant_only_loss and "messages" not in example:
+            raise PlaitError(f"{type(self).__name__}: assistant_only_loss=True needs conversational 'messages' rows")
+        if "messages" in example or self.dataset_text_field in example:
+            if self.completion_only_loss:
+                raise PlaitError(f"{type(self).__name__}: completion_only_loss=True needs prompt-completion rows, "
+                                 "not language-modelling ones")
+            if "messages" not in example:
+                ids = chat.encode(self.processor, example[self.dataset_text_field], special_tokens=False, images=images)
+                mask = [1] * len(ids)
+            else:
+                ids, mask = chat.encode_conversation(self.processor, _image_parts(example["messages"], len(images)),
+                                                     assistant_only=self.assistant_only_loss, images=images, **rendering)
+        elif "prompt" in example and "completion" in example:
+            prompt, completion = example["prompt"], example["completion"]
+            if chat.is_conversational(prompt):
+                prompt = _image_parts(prompt, len(images))
+            prompt_ids, completion_ids = chat.encode_prompt_completion(self.processor, prompt, completion,
+                                                                       images=images, **rendering)
+            ids = prompt_ids + completion_ids
+            mask = [int(not self.completion_only_loss)] * len(prompt_ids) + [1] * len(completion_ids)
+        else:
+            raise PlaitError(f"{type(self).__name__}: an example has columns {sorted(example)}; give 'messages', "
+                             f"{self.dataset_text_field!r}, or 'prompt' and 'completion', with 'images'")
+        if self.max_length is not None and set(ids[self.max_length:]) & self._image_tokens:
+            raise PlaitError(f"{type(self).__name__}: max_length={self.max_length} cuts into an example's image tokens "
+                             f"(it has {len(ids)} tokens); raise max_length or use smaller images")
+        return {"input_ids": ids[:self.max_length], "completion_mask": mask[:self.max_length], "images": images}
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        from plait.data.vision import KEY
+
+        batch = self._collate([self._tokens(example) for example in examples])
+        batch.pop("completion_mask")  # TRL's batch has it only as the -100s of labels
+        inputs = batch.pop(KEY, None)
+        if inputs is not None:
+            batch.update(inputs.kwargs(input_ids=batch["input_ids"]))
+        return batch
+
+
+def _image_parts(messages: list[dict[str, Any]], images: int) -> list[dict[str, Any]]:
+    """Messages whose string contents are text parts, the first user turn given ``images`` image parts (where
+    :func:`prepare_multimodal_messages` puts them), the images themselves left in the row's ``images``."""
+    if not images:
+        return messages
+    return [{**m, "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]}
+            if isinstance(m.get("content"), list) else m for m in prepare_multimodal_messages(messages, [None] * images)]
