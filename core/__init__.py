@@ -12,6 +12,7 @@ from importlib.metadata import version as _version
 from plait.engine.memory import align_large_cpu_buffers
 
 from .errors import PlaitError, PluginLoadError
+from .experimental import register_trl_paths
 from .hookspecs import hookimpl
 from .manager import default_plugins, make_plugins
 from .method import Method
@@ -22,6 +23,8 @@ try:
     __version__ = _version("plait")
 except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
     __version__ = "0.0.0"
+
+register_trl_paths(__name__)  # plait.trainer.sft_trainer, plait.models ...: TRL's module paths, resolved on use
 
 __all__ = ["Method", "PlaitError", "PluginLoadError", "__version__", "default_plugins", "hookimpl", "make_plugins"]
 

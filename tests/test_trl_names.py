@@ -264,3 +264,20 @@ def test_prepare_deepspeed_gives_deepspeed_an_evaluation_config(monkeypatch):
     without = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None))
     with pytest.raises(plait.PlaitError, match="without DeepSpeed"):
         plait.prepare_deepspeed(model, without)
+
+
+def test_trls_module_paths_import_from_plait():
+    """``from trl.trainer.sft_trainer import X`` and ``from trl.models import X`` port by renaming trl to plait."""
+    from plait.models import create_reference_model, prepare_deepspeed
+    from plait.trainer.dpo_trainer import DataCollatorForPreference, DPOTrainer
+    from plait.trainer.kto_trainer import DataCollatorForUnpairedPreference
+    from plait.trainer.sft_trainer import DataCollatorForLanguageModeling, DataCollatorForVisionLanguageModeling
+
+    assert (DataCollatorForLanguageModeling, DataCollatorForVisionLanguageModeling, DataCollatorForPreference,
+            DataCollatorForUnpairedPreference, DPOTrainer, prepare_deepspeed, create_reference_model) == (
+        plait.DataCollatorForLanguageModeling, plait.DataCollatorForVisionLanguageModeling,
+        plait.DataCollatorForPreference, plait.DataCollatorForUnpairedPreference, plait.DPOTrainer,
+        plait.prepare_deepspeed, plait.create_reference_model)
+    assert plait.trainer.grpo_trainer.GRPOConfig is plait.GRPOConfig
+    with pytest.raises(ImportError, match="DataCollatorForVisionPreference"):
+        from plait.trainer.dpo_trainer import DataCollatorForVisionPreference  # noqa: F401 - not in plait
