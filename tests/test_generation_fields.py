@@ -5,7 +5,9 @@ vLLM needed); sampling options on the real transformers backend and the tiny mod
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import logging
 import os
 import shutil
@@ -20,7 +22,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import plait
-from plait import hookimpl, make_plugins
+from plait import cli, hookimpl, make_plugins
 from plait.engine.config import contributed_fields
 from plait.engine.layout import check_multiple
 from plait.errors import PlaitError
@@ -98,18 +100,22 @@ def test_a_recipe_and_the_plait_command_resolve_use_vllm_to_the_server_backend(t
     assert args.params.backend_name() == "vllm_server"
     assert vllm_server.check_config(args).server_port == 8123
 
-    def check(*flags):
-        return subprocess.run([str(PLAIT), "grpo", "--config", "examples/recipes/grpo_tiny.yaml", "--model",
-                               str(tiny_model_path()), "--output_dir", str(tmp_path / "out"), *flags, "--check"],
-                              capture_output=True, text=True, timeout=300, cwd=ROOT)
-
-    ok = check("--use_vllm", "true", "--vllm_mode", "server")
+    command = ["grpo", "--config", str(ROOT / "examples/recipes/grpo_tiny.yaml"), "--model", str(tiny_model_path()),
+               "--output_dir", str(tmp_path / "out"), "--check"]
+    ok = subprocess.run([str(PLAIT), *command, "--use_vllm", "true", "--vllm_mode", "server"], capture_output=True,
+                        text=True, timeout=300)  # once through the installed script; the refusals through its main()
     assert ok.returncode == 0, ok.stderr
+
+    def refused(*flags) -> str:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            assert cli.main([*command, *flags]) == 2
+        return err.getvalue()
+
     # the server backend's own check ran on the resolved name: its port rule speaks (the colocate one has no port)
-    bad = check("--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_port", "70000")
-    assert bad.returncode != 0 and "generation.vllm_server: vllm_server_port=70000 must be a port number" in bad.stderr
-    conflict = check("--use_vllm", "true", "--generation_backend", "transformers")
-    assert conflict.returncode != 0 and "conflicts with use_vllm=True" in conflict.stderr
+    assert "generation.vllm_server: vllm_server_port=70000 must be a port number" in refused(
+        "--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_port", "70000")
+    assert "conflicts with use_vllm=True" in refused("--use_vllm", "true", "--generation_backend", "transformers")
 
 
 # -- the vLLM fields are config fields that reach the backends' options (no vLLM needed) -----------
