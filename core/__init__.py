@@ -36,7 +36,8 @@ DATA_UTILS = ("apply_chat_template", "maybe_apply_chat_template", "extract_promp
               "unpair_preference_dataset", "maybe_unpair_preference_dataset", "is_conversational", "pack_dataset",
               "truncate_dataset", "clone_chat_template", "is_conversational_from_value", "maybe_convert_to_chatml",
               "prepare_multimodal_messages", "DataCollatorForLanguageModeling", "DataCollatorForVisionLanguageModeling",
-              "DataCollatorForPreference", "DataCollatorForUnpairedPreference")
+              "DataCollatorForPreference", "DataCollatorForUnpairedPreference", "DataCollatorForVisionPreference",
+              "DataCollatorForVisionUnpairedPreference")
 CALLBACKS = ("LogCompletionsCallback", "SyncRefModelCallback", "RichProgressCallback", "BEMACallback",
              "MergeConfig", "MergeModelCallback")
 MODELS = ("prepare_deepspeed",)  # TRL's model helpers (plait.trl.models)

@@ -30,8 +30,9 @@ PATHS = {
 TRL_PATHS = {
     "trainer.sft_trainer": ("SFTConfig", "SFTTrainer", "DataCollatorForLanguageModeling",
                             "DataCollatorForVisionLanguageModeling"),
-    "trainer.dpo_trainer": ("DPOConfig", "DPOTrainer", "DataCollatorForPreference"),
-    "trainer.kto_trainer": ("KTOConfig", "KTOTrainer", "DataCollatorForUnpairedPreference"),
+    "trainer.dpo_trainer": ("DPOConfig", "DPOTrainer", "DataCollatorForPreference", "DataCollatorForVisionPreference"),
+    "trainer.kto_trainer": ("KTOConfig", "KTOTrainer", "DataCollatorForUnpairedPreference",
+                            "DataCollatorForVisionUnpairedPreference"),
     "trainer.reward_trainer": ("RewardConfig", "RewardTrainer", "DataCollatorForPreference"),
     "trainer.grpo_trainer": ("GRPOConfig", "GRPOTrainer"),
     "trainer.rloo_trainer": ("RLOOConfig", "RLOOTrainer"),

@@ -279,5 +279,49 @@ def test_trls_module_paths_import_from_plait():
         plait.DataCollatorForPreference, plait.DataCollatorForUnpairedPreference, plait.DPOTrainer,
         plait.prepare_deepspeed, plait.create_reference_model)
     assert plait.trainer.grpo_trainer.GRPOConfig is plait.GRPOConfig
-    with pytest.raises(ImportError, match="DataCollatorForVisionPreference"):
-        from plait.trainer.dpo_trainer import DataCollatorForVisionPreference  # noqa: F401 - not in plait
+    with pytest.raises(ImportError, match="DataCollatorWithPadding"):
+        from plait.trainer.dpo_trainer import DataCollatorWithPadding  # noqa: F401 - not a name TRL's module has
+
+
+def test_vision_preference_collators_give_trls_batches():
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from plait.testing.tiny_vlm import tiny_vlm_path
+    from plait.trainer.dpo_trainer import DataCollatorForVisionPreference
+    from plait.trainer.kto_trainer import DataCollatorForVisionUnpairedPreference
+
+    processor = AutoProcessor.from_pretrained(tiny_vlm_path())
+    red, blue = Image.new("RGB", (32, 32), (220, 30, 30)), Image.new("RGB", (32, 32), (30, 60, 220))
+    prompts = [[user("Colour?")], [user("What colour is it?")]]
+
+    def check(batch, rows):
+        """Each row: the processor's own rendering of prompt + completion with its image, completion_mask on the
+        completion, and the rows' images in order (what TRL 1.16's collators give on the same rows)."""
+        for i, (prompt, completion, image) in enumerate(rows):
+            messages = plait.prepare_multimodal_messages(prompt, [image]) + [assistant(completion)]
+            expected = processor.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+            expected = expected[0] if isinstance(expected[0], list) else expected
+            kept = batch["attention_mask"][i].bool()
+            assert batch["input_ids"][i][kept].tolist() == expected
+            completion_ids = batch["input_ids"][i][batch["completion_mask"][i].bool()]
+            assert processor.tokenizer.decode(completion_ids) == completion + "<|im_end|>\n"
+        pixels = processor.image_processor(images=[image for *_, image in rows], return_tensors="pt")["pixel_values"]
+        torch.testing.assert_close(batch["pixel_values"], pixels)
+
+    pairs = [{"images": [red], "prompt": prompts[0], "chosen": [assistant("Red.")], "rejected": [assistant("Green.")]},
+             {"image": blue, "prompt": prompts[1], "chosen": [assistant("Blue.")], "rejected": [assistant("No.")]}]
+    batch = DataCollatorForVisionPreference(processor)(pairs)
+    assert sorted(batch) == ["attention_mask", "completion_mask", "input_ids", "pixel_values"]
+    check(batch, [(prompts[0], "Red.", red), (prompts[1], "Blue.", blue), (prompts[0], "Green.", red),
+                  (prompts[1], "No.", blue)])
+
+    unpaired = [{"images": [red], "prompt": prompts[0], "completion": [assistant("Red.")], "label": True},
+                {"images": [blue], "prompt": prompts[1], "completion": [assistant("It is blue.")], "label": False}]
+    batch = DataCollatorForVisionUnpairedPreference(processor)(unpaired)
+    assert batch["label"].tolist() == [True, False]
+    check(batch, [(prompts[0], "Red.", red), (prompts[1], "It is blue.", blue)])
+    mismatched = {key.removeprefix("KL_"): value for key, value in batch.items() if key.startswith("KL_")}
+    check({**mismatched, "pixel_values": batch["pixel_values"]},  # each prompt with the previous row's completion
+          [(prompts[0], "It is blue.", red), (prompts[1], "Red.", blue)])
+    assert not any(key.startswith("KL_") for key in DataCollatorForVisionUnpairedPreference(processor, calculate_kl=False)(unpaired))

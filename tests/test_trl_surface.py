@@ -182,6 +182,9 @@ TRL_DATA_PARAMETERS = {
     "DataCollatorForVisionLanguageModeling": ["processor", "max_length", "completion_only_loss", "pad_to_multiple_of",
                                               "dataset_text_field", "assistant_only_loss", "chat_template",
                                               "return_tensors"],
+    "DataCollatorForVisionPreference": ["processor", "max_length", "pad_to_multiple_of", "return_tensors"],
+    "DataCollatorForVisionUnpairedPreference": ["processor", "max_length", "calculate_kl", "pad_to_multiple_of",
+                                                "return_tensors"],
     "prepare_deepspeed": ["model", "accelerator"],  # trl.models
 }
 

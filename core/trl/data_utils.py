@@ -399,20 +399,16 @@ def _trl_key(key: str) -> str:
     return key.replace("kl_", "KL_", 1) if key.startswith(("kl_", "ref_kl_")) else key
 
 
-class DataCollatorForVisionLanguageModeling:
-    """TRL's vision-language SFT collator (``trl.trainer.sft_trainer``): raw rows with their images, tokenised when
-    batched, through plait's image path. Each example holds ``images`` (or one ``image``) and either ``messages``
-    (string contents get their image parts as :func:`prepare_multimodal_messages` places them), text under
-    ``dataset_text_field`` with the processor's image token in it, or ``prompt`` and ``completion``. Its tokens,
-    every image placeholder expanded by the processor (:mod:`plait.data.chat`), keep their first ``max_length``;
-    ``collator.language_modeling`` inside ``collator.images`` makes the batch. TRL's keys come back: ``input_ids``,
-    ``attention_mask``, ``labels`` and the image processor's tensors (``pixel_values``, ...). ``labels`` are -100 on
-    padding and image tokens, on the prompt with ``completion_only_loss``, outside assistant turns with
-    ``assistant_only_loss``."""
+class _VisionRows:
+    """Raw image rows tokenised when batched, as TRL's vision collators take them: each example's ``images`` (or
+    one ``image``), its image placeholders expanded by the processor (:mod:`plait.data.chat`), each sequence cut to
+    its first ``max_length`` tokens (never into an image's); the registered ``collator`` inside ``collator.images``
+    makes the batch, whose image inputs come back under the image processor's own keys (``pixel_values``, ...)."""
 
-    def __init__(self, processor, max_length: int | None = None, completion_only_loss: bool = False,
-                 pad_to_multiple_of: int | None = None, dataset_text_field: str = "text",
-                 assistant_only_loss: bool = False, chat_template: str | None = None, return_tensors: str = "pt"):
+    collator: str = ""
+
+    def __init__(self, processor, max_length: int | None = None, pad_to_multiple_of: int | None = None,
+                 return_tensors: str = "pt"):
         from plait.data.vision import image_processor_of, image_token_ids
 
         name = type(self).__name__
@@ -421,17 +417,55 @@ class DataCollatorForVisionLanguageModeling:
         if image_processor_of(processor) is None:
             raise PlaitError(f"{name}: processor is a {type(processor).__name__}, which processes no images; give the "
                              "model's AutoProcessor")
-        self.processor, self.max_length, self.completion_only_loss = processor, max_length, completion_only_loss
-        self.pad_to_multiple_of, self.dataset_text_field = pad_to_multiple_of, dataset_text_field
-        self.assistant_only_loss, self.chat_template, self.return_tensors = assistant_only_loss, chat_template, return_tensors
-        text = _registered("collators", "collator.language_modeling", name, family="collator").obj
+        self.processor, self.max_length = processor, max_length
+        self.pad_to_multiple_of, self.return_tensors = pad_to_multiple_of, return_tensors
+        rows = _registered("collators", self.collator, name, family="collator").obj
         images = _registered("collators", "collator.images", name, family="collator").obj
-        self._collate = images(processor, inner=text(processor, pad_to_multiple_of=pad_to_multiple_of))
+        self._collate = images(processor, inner=rows(processor, pad_to_multiple_of=pad_to_multiple_of))
         self._image_tokens = image_token_ids(processor)
+
+    @staticmethod
+    def _images(example: dict[str, Any]) -> list:
+        return example["images"] if "images" in example else [example["image"]] if "image" in example else []
+
+    def _cut(self, ids: list[int]) -> list[int]:
+        """``ids`` cut to ``max_length``; refused where that would cut an image's tokens."""
+        if self.max_length is not None and set(ids[self.max_length:]) & self._image_tokens:
+            raise PlaitError(f"{type(self).__name__}: max_length={self.max_length} cuts into an example's image tokens "
+                             f"({len(ids)} tokens); raise max_length or use smaller images")
+        return ids[:self.max_length]
+
+    def _batch(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        from plait.data.vision import KEY
+
+        batch = self._collate(rows)
+        inputs = batch.pop(KEY, None)
+        if inputs is not None:
+            batch.update(inputs.kwargs(input_ids=batch["input_ids"]))
+        return batch
+
+
+class DataCollatorForVisionLanguageModeling(_VisionRows):
+    """TRL's vision-language SFT collator (``trl.trainer.sft_trainer``): each example holds ``messages`` (string
+    contents get their image parts as :func:`prepare_multimodal_messages` places them), text under
+    ``dataset_text_field`` with the processor's image token in it, or ``prompt`` and ``completion``, and its images
+    (:class:`_VisionRows`; ``collator.language_modeling``). TRL's keys come back: ``input_ids``, ``attention_mask``,
+    ``labels`` and the image processor's tensors. ``labels`` are -100 on padding and image tokens, on the prompt
+    with ``completion_only_loss``, outside assistant turns with ``assistant_only_loss``."""
+
+    collator = "collator.language_modeling"
+
+    def __init__(self, processor, max_length: int | None = None, completion_only_loss: bool = False,
+                 pad_to_multiple_of: int | None = None, dataset_text_field: str = "text",
+                 assistant_only_loss: bool = False, chat_template: str | None = None, return_tensors: str = "pt"):
+        super().__init__(processor, max_length=max_length, pad_to_multiple_of=pad_to_multiple_of,
+                         return_tensors=return_tensors)
+        self.completion_only_loss, self.dataset_text_field = completion_only_loss, dataset_text_field
+        self.assistant_only_loss, self.chat_template = assistant_only_loss, chat_template
 
     def _tokens(self, example: dict[str, Any]) -> dict[str, Any]:
         """One example's ``input_ids`` and ``completion_mask`` (1 where ``labels`` keep the token), and its images."""
-        images = example["images"] if "images" in example else [example["image"]] if "image" in example else []
+        images = self._images(example)
         rendering = {"template_kwargs": {"chat_template": self.chat_template} if self.chat_template else None}
         if self.assistant_only_loss and "messages" not in example:
             raise PlaitError(f"{type(self).__name__}: assistant_only_loss=True needs conversational 'messages' rows")
@@ -456,19 +490,12 @@ class DataCollatorForVisionLanguageModeling:
         else:
             raise PlaitError(f"{type(self).__name__}: an example has columns {sorted(example)}; give 'messages', "
                              f"{self.dataset_text_field!r}, or 'prompt' and 'completion', with 'images'")
-        if self.max_length is not None and set(ids[self.max_length:]) & self._image_tokens:
-            raise PlaitError(f"{type(self).__name__}: max_length={self.max_length} cuts into an example's image tokens "
-                             f"(it has {len(ids)} tokens); raise max_length or use smaller images")
-        return {"input_ids": ids[:self.max_length], "completion_mask": mask[:self.max_length], "images": images}
+        ids = self._cut(ids)
+        return {"input_ids": ids, "completion_mask": mask[:len(ids)], "images": images}
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        from plait.data.vision import KEY
-
-        batch = self._collate([self._tokens(example) for example in examples])
+        batch = self._batch([self._tokens(example) for example in examples])
         batch.pop("completion_mask")  # TRL's batch has it only as the -100s of labels
-        inputs = batch.pop(KEY, None)
-        if inputs is not None:
-            batch.update(inputs.kwargs(input_ids=batch["input_ids"]))
         return batch
 
 
@@ -479,3 +506,51 @@ def _image_parts(messages: list[dict[str, Any]], images: int) -> list[dict[str, 
         return messages
     return [{**m, "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]}
             if isinstance(m.get("content"), list) else m for m in prepare_multimodal_messages(messages, [None] * images)]
+
+
+class _VisionCompletions(_VisionRows):
+    """Rows with a prompt and completions (TRL's vision collators for DPO and KTO): each completion tokenised after
+    the prompt (:func:`plait.data.chat.encode_prompt_completion`), the prompt's image parts placed as
+    :func:`prepare_multimodal_messages` places them, each prompt + completion cut to ``max_length``."""
+
+    def _row(self, example: dict[str, Any], completions: Sequence[str]) -> dict[str, Any]:
+        """``prompt_ids`` and ``<completion>_ids`` for each of ``completions``, and the example's images."""
+        images, prompt = self._images(example), example["prompt"]
+        if chat.is_conversational(prompt):
+            prompt = _image_parts(prompt, len(images))
+        row: dict[str, Any] = {"images": images}
+        for key in completions:
+            prompt_ids, ids = chat.encode_prompt_completion(self.processor, prompt, example[key], images=images)
+            kept = self._cut(prompt_ids + ids)
+            row["prompt_ids"], row[f"{key}_ids"] = kept[:len(prompt_ids)], kept[len(prompt_ids):]
+        return row
+
+
+class DataCollatorForVisionPreference(_VisionCompletions):
+    """TRL's vision DPO collator (``trl.trainer.dpo_trainer``): rows with ``prompt``, ``chosen``, ``rejected`` and
+    ``images`` (or one ``image``). Returns ``2B`` rows, chosen ones then rejected ones (``collator.preference``):
+    ``input_ids``, ``attention_mask``, ``completion_mask`` and each row's image inputs (``pixel_values``, ...)."""
+
+    collator = "collator.preference"
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        return self._batch([self._row(example, ("chosen", "rejected")) for example in examples])
+
+
+class DataCollatorForVisionUnpairedPreference(_VisionCompletions):
+    """TRL's vision KTO collator (``trl.trainer.kto_trainer``): rows with ``prompt``, ``completion``, ``label`` and
+    ``images`` (or one ``image``). Returns ``input_ids``, ``attention_mask``, ``completion_mask``, ``label`` and the
+    image inputs; with ``calculate_kl`` also ``KL_input_ids``, ``KL_attention_mask``, ``KL_completion_mask``: each
+    prompt with the previous row's completion (the batch rotated by one, ``collator.unpaired``), as TRL's."""
+
+    collator = "collator.unpaired"
+
+    def __init__(self, processor, max_length: int | None = None, calculate_kl: bool = True,
+                 pad_to_multiple_of: int | None = None, return_tensors: str = "pt"):
+        super().__init__(processor, max_length=max_length, pad_to_multiple_of=pad_to_multiple_of,
+                         return_tensors=return_tensors)
+        self.calculate_kl = calculate_kl
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self._batch([{**self._row(example, ("completion",)), "label": example["label"]} for example in examples])
+        return {_trl_key(key): value for key, value in batch.items() if self.calculate_kl or not key.startswith("kl_")}
