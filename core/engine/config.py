@@ -65,6 +65,24 @@ def trains_on_cpu(args: TrainingArguments) -> bool:
     return args.use_cpu or not torch.accelerator.is_available()
 
 
+def method_args(config_class: type, args: TrainingArguments) -> TrainingArguments:
+    """``args`` as ``config_class``: a plain ``TrainingArguments`` (or another subclass with no method params) keeps
+    every value it was given, the method's own fields take their defaults, as TRL 1.16 converts it. A Config of
+    another method is refused: its method's fields would be dropped unseen."""
+    if isinstance(args, config_class):
+        return args
+    if not isinstance(args, TrainingArguments) or hasattr(args, "params"):
+        raise PlaitError(f"args is a {type(args).__name__}; pass a {config_class.__name__} (or plain "
+                         "transformers.TrainingArguments, converted to it)")
+    given = config_fields(type(args))
+    values = {name: getattr(args, name) for name in config_fields(config_class) if name in given}
+    # TrainingArguments' remove_unused_columns=True would drop the columns plait's methods read (TRL's trainers keep
+    # theirs by naming them as the model's signature): left at that default, the method's own default holds.
+    if values.get("remove_unused_columns") == given["remove_unused_columns"].default:
+        del values["remove_unused_columns"]
+    return config_class(**values)
+
+
 def _hardware_defaults(args: TrainingArguments) -> None:
     """Fields left as None are chosen from the hardware: bf16 autocast wherever the device
     computes bf16 natively (a bf16 GPU, a CPU with AVX-512 BF16 or AMX), fp32 otherwise.

@@ -38,7 +38,7 @@ from plait.paths import honour_umask, storage_shortage
 
 from . import run_folder
 from .attention import SEQUENCE_SDPA, packs_per_sequence, shares_prefixes
-from .config import trains_on_cpu
+from .config import method_args, trains_on_cpu
 from .logprobs import token_logprobs
 from .memory import TORCH_SWITCH, large_buffers_aligned
 from .model_card import CardDetails, write_model_card
@@ -116,8 +116,10 @@ class PlaitTrainer(Trainer):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = self.config_class(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-{self.method}")
-        elif not isinstance(args, self.config_class):
-            raise PlaitError(f"args is a {type(args).__name__}; {type(self).__name__} needs a {self.config_class.__name__}")
+        args = method_args(self.config_class, args)
+        if train_dataset is None:  # as TRL 1.16 refuses it (plait's environments need prompts too)
+            raise PlaitError(f"`train_dataset` is required: pass {type(self).__name__}(..., train_dataset=rows to "
+                             "train on)")
         if trains_on_cpu(args):
             say_if_large_buffers_unaligned()
         self._refuse_unused_arguments(compute_metrics=compute_metrics,

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from plait.engine.layout import flat_index, pad_token_id, rows_from_flat
 from plait.engine.models import Reference, SyncReference, cached_tensors
 from plait.engine.trainer import PlaitTrainer
+from plait.errors import PlaitError
 
 
 class ReferenceTrainer(PlaitTrainer):
@@ -30,6 +31,9 @@ class ReferenceTrainer(PlaitTrainer):
     takes_images = True  # DPO and KTO: every forward (the reference's too) gets the rows' images
 
     def __init__(self, model, ref_model=None, args=None, **kwargs):
+        if ref_model is not None and ref_model is model:  # the reference would move with every update
+            raise PlaitError(f"ref_model is the model being trained; {type(self).__name__} needs a frozen reference: "
+                             "omit ref_model (a frozen copy of the model is made) or pass a separate model")
         super().__init__(model, args=args, ref_model=ref_model, **kwargs)
 
     def before_peft(self, model, args, ref_model=None):

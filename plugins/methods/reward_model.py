@@ -162,8 +162,8 @@ class RewardTrainer(PlaitTrainer):
                              "pass the checkpoint's path (a new score head is added) or load it with "
                              "AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)")
         if model.config.num_labels != 1:
-            raise PlaitError(f"model has num_labels={model.config.num_labels}; a reward model has one output: "
-                             "load it with num_labels=1")
+            raise PlaitError(f"model has num_labels={model.config.num_labels}, but reward models require "
+                             "`num_labels=1` (one score per sequence): load it with num_labels=1")
         return super().before_peft(model, args, **kwargs)
 
     def prepare(self, dataset, processing_class, args, split):
