@@ -309,7 +309,8 @@ def dpo_trainer(tmp_path, **config):
     from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
 
     args = DPOConfig(output_dir=str(tmp_path), report_to="none", **config)
-    return DPOTrainer(str(tmp_path / "no-model-here"), args=args)
+    return DPOTrainer(str(tmp_path / "no-model-here"), args=args, train_dataset=[{"prompt": "a", "chosen": "b",
+                                                                                  "rejected": "c"}])
 
 
 @pytest.mark.parametrize("divergence", ["forward_kl", "js_divergence", "alpha_divergence"])

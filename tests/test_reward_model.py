@@ -145,7 +145,7 @@ def test_bad_models_and_data_are_refused(tmp_path):
     causal = AutoModelForCausalLM.from_pretrained(tiny_model_path())
     with pytest.raises(PlaitError, match="model is a LlamaForCausalLM; a reward model is a …ForSequenceClassification"):
         RewardTrainer(causal, args=config(tmp_path), train_dataset=pairs(WORDS[:4]))
-    with pytest.raises(PlaitError, match="model has num_labels=2; a reward model has one output"):
+    with pytest.raises(PlaitError, match=r"model has num_labels=2, but reward models require `num_labels=1`"):
         RewardTrainer(str(tiny_model_path()), args=config(tmp_path, model_init_kwargs={"num_labels": 2}),
                       train_dataset=pairs(WORDS[:4]))
     unpaired = Dataset.from_list([{"prompt": "Hi", "completion": " there", "label": True}])

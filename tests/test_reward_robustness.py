@@ -71,7 +71,7 @@ def plait_warnings(caplog, text):
 
 @pytest.mark.parametrize("method", list(METHODS))
 def test_batches_with_no_score_warn_then_stop_the_run_naming_the_rewards(method, caplog):
-    t = trainer(method, reward_funcs=[never_matches, nan_judge], max_steps=10)
+    t = trainer(method, reward_funcs=[never_matches, nan_judge], max_unscored_batches=3, max_steps=10)
     with caplog.at_level(logging.WARNING, logger="plait"), pytest.raises(PlaitError) as err:
         t.train()
     message = str(err.value)

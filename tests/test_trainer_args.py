@@ -183,7 +183,8 @@ def test_quantization_config_reaches_from_pretrained(tiny_model_path, tmp_path):
             sft(str(tiny_model_path), tmp_path, quantization_config=four_bit)
         with pytest.raises(ImportError, match="bitsandbytes"):
             plait.GRPOTrainer(str(tiny_model_path), reward_funcs=lambda completions, **k: [0.0] * len(completions),
-                              args=plait.GRPOConfig(**common(tmp_path, num_generations=2)), quantization_config=four_bit)
+                              args=plait.GRPOConfig(**common(tmp_path, num_generations=2)), quantization_config=four_bit,
+                              train_dataset=[{"prompt": "a"}])
     with pytest.raises(PlaitError, match="quantization_config applies when model is a path or hub id, but model is a loaded"):
         sft(AutoModelForCausalLM.from_pretrained(tiny_model_path), tmp_path, quantization_config=four_bit)
     with pytest.raises(PlaitError, match="quantization_config is given both as a trainer argument and in model_init_kwargs"):

@@ -117,9 +117,6 @@ class PlaitTrainer(Trainer):
             name = model if isinstance(model, str) else model.config._name_or_path
             args = self.config_class(output_dir=f"{os.path.basename(str(name).rstrip('/'))}-{self.method}")
         args = method_args(self.config_class, args)
-        if train_dataset is None:  # as TRL 1.16 refuses it (plait's environments need prompts too)
-            raise PlaitError(f"`train_dataset` is required: pass {type(self).__name__}(..., train_dataset=rows to "
-                             "train on)")
         if trains_on_cpu(args):
             say_if_large_buffers_unaligned()
         self._refuse_unused_arguments(compute_metrics=compute_metrics,
@@ -131,6 +128,9 @@ class PlaitTrainer(Trainer):
         # trust_remote_code holds for every from_pretrained below and for reward models validate() resolves
         with remote_code(args.trust_remote_code):
             self.validate(args)  # everything the config can check, before any model loads
+            if train_dataset is None:  # as TRL 1.16 refuses it (plait's environments need prompts too)
+                raise PlaitError(f"`train_dataset` is required: pass {type(self).__name__}(..., train_dataset=rows "
+                                 "to train on)")
             self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 
             processing_class = load_tokenizer(model, processing_class, chat_template_path=args.chat_template_path,

@@ -647,7 +647,8 @@ class RewardChoice:
         "reward_weights": "one weight per reward function, in order (null: each one's own, 1 by default)",
         "reward_error_policy": "a reward that raises or times out: 'fail' stops the run, 'none' scores that call None",
         "reward_timeout": "seconds one reward call may take before reward_error_policy applies (null: no limit)",
-        "max_unscored_batches": "generation batches in a row with no scored completion before the run stops",
+        "max_unscored_batches": "generation batches in a row with no scored completion before the run stops "
+                                "(null: never; each such batch is warned about and trains on, as in TRL)",
     }
 
     reward_funcs: Any = None
@@ -656,8 +657,9 @@ class RewardChoice:
     # Seconds one reward call may take before reward_error_policy applies (REWARD_TIMEOUT unless set;
     # None: no limit, TRL's behaviour). A hung judge or sandbox otherwise stalls the run forever.
     reward_timeout: float | None = attrs.field(default=REWARD_TIMEOUT, validator=attrs.validators.optional(positive))
-    # Generation batches in a row where no completion got a score before the run stops.
-    max_unscored_batches: int = attrs.field(default=3, validator=int_at_least(1))
+    # Generation batches in a row where no completion got a score before the run stops. None (TRL 1.16's
+    # behaviour): warn about each and train on, its advantages 0; a number is the stricter choice.
+    max_unscored_batches: int | None = attrs.field(default=None, validator=attrs.validators.optional(int_at_least(1)))
 
 
 @attrs.define
@@ -665,13 +667,13 @@ class UnscoredBatches:
     """Watches generation batches for ones where no completion got a score (every reward None or NaN).
 
     Such a batch carries no learning signal (every advantage is 0), so it is warned about with the
-    reward names, and ``limit`` of them in a row stop the run: rewards that cannot score these
+    reward names, and ``limit`` of them in a row (when set) stop the run: rewards that cannot score these
     completions at all (a column they need is missing, a format they do not parse, a judge that is
     down) would otherwise let a run train on nothing until it ends.
     """
 
     names: Sequence[str]
-    limit: int
+    limit: int | None  # None: never stop
     in_a_row: int = 0
 
     def check(self, rewards: Tensor) -> None:
@@ -682,16 +684,16 @@ class UnscoredBatches:
         self.in_a_row += 1
         what = (f"every reward ({', '.join(self.names)}) returned None or NaN for all {rewards.shape[0]} "
                 "completions")
-        if self.in_a_row >= self.limit:
+        if self.limit is not None and self.in_a_row >= self.limit:
             raise PlaitError(
                 f"no completion got a score in {self.in_a_row} generation batches in a row: {what}; check that the "
                 "rewards can score these completions (the dataset columns they read, the completion format, a "
                 "service they call, reward_timeout) or raise max_unscored_batches"
             )
-        logger.warning(
-            "plait: no completion of this generation batch got a score: %s; it trains on nothing "
-            "(%d batch(es) in a row; the run stops at max_unscored_batches=%d)", what, self.in_a_row, self.limit,
-        )
+        stop = (f"the run stops at max_unscored_batches={self.limit}" if self.limit is not None
+                else "set max_unscored_batches to stop a run after so many")
+        logger.warning("plait: no completion of this generation batch got a score: %s; it trains on nothing "
+                       "(%d batch(es) in a row; %s)", what, self.in_a_row, stop)
 
 
 # ---------------------------------------------------------------------------------------------
