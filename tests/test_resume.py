@@ -265,6 +265,23 @@ def test_online_dpo_resumes_bit_identically(tmp_path):
     assert_same_run(straight, resumed, "online_dpo", ())
 
 
+@pytest.mark.slow
+def test_async_grpo_resumes_bit_identically(tmp_path):
+    # The rollout worker (its own process) samples generation batch i with seed + i from the weights of
+    # the step that trains on it (max_staleness 0: which older weights a staler bound would give depends
+    # on timing). steps_per_generation 2 × num_iterations 2: the checkpoint at step 3 is mid-rollout, and
+    # the resumed trainer starts a fresh worker that must sample what the uninterrupted one did.
+    def build(output):
+        args = plait.AsyncGRPOConfig(output_dir=str(output), **COMMON, per_device_train_batch_size=4,
+                                     num_generations=2, steps_per_generation=2, num_iterations=2,
+                                     max_completion_length=6, max_staleness=0)
+        return plait.AsyncGRPOTrainer(str(tiny_model_path()), reward_funcs=low_tokens, args=args,
+                                      train_dataset=prompts(4))
+
+    straight, resumed = straight_and_resumed(tmp_path, build, stop=3)
+    assert_same_run(straight, resumed, "async_grpo", ("num_tokens",))
+
+
 def test_a_resumed_run_without_saved_rollout_state_warns(tmp_path, caplog):
     """A checkpoint without the rollout state (an older plait's) resumes, but says it is not exact."""
     def build(output):
