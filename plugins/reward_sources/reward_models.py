@@ -158,10 +158,12 @@ def load_reward_model(path: str, tokenizer: Any = None) -> RewardFunction:
 
 @hookimpl
 def resolve_reward(spec, processing_class):
+    from accelerate.utils import is_peft_model
     from transformers import PreTrainedModel
 
     tokenizer = getattr(processing_class, "tokenizer", None) or processing_class
-    if isinstance(spec, PreTrainedModel):
+    # a PeftModelForSequenceClassification (TRL takes one) scores through its adapters like a plain classifier
+    if isinstance(spec, PreTrainedModel) or isinstance(spec, torch.nn.Module) and is_peft_model(spec):
         return reward_model_function(spec, tokenizer)
     if isinstance(spec, (str, os.PathLike)) and _looks_like_model(os.fspath(spec)):
         return load_reward_model(os.fspath(spec), tokenizer)
