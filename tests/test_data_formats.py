@@ -40,6 +40,7 @@ STANDARD = {
     "format.preference": {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
     "format.implicit_preference": {"chosen": "The sky is blue.", "rejected": "The sky is green."},
     "format.unpaired_preference": {"prompt": "The sky is", "completion": " blue.", "label": True},
+    "format.tokenised_preference": {"chosen_ids": [5, 6, 7], "rejected_ids": [5, 6, 8, 9]},  # TRL's pre-tokenised rows
 }
 CONVERSATIONAL = {
     "format.language_modeling": {"messages": [u("Sky colour?"), a("Blue.")]},

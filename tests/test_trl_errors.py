@@ -152,3 +152,40 @@ def test_a_batch_no_reward_scores_warns_and_trains_on_as_in_trl(tmp_path, caplog
     t = plait.GRPOTrainer(str(tiny_model_path()), reward_funcs=never_scores, args=strict, train_dataset=PROMPTS)
     with pytest.raises(PlaitError, match="no completion got a score in 2 generation batches in a row"):
         t.train()  # plait's stricter choice, asked for
+
+
+def test_pre_tokenised_preference_rows_prepare_as_their_text_does(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    eos = [tokenizer.eos_token_id]
+    ids = [{"prompt_ids": tokenizer(r["prompt"])["input_ids"], "chosen_ids": tokenizer(r["chosen"])["input_ids"] + eos,
+            "rejected_ids": tokenizer(r["rejected"])["input_ids"] + eos} for r in PREFERENCE]
+    whole = [{"chosen_ids": r["prompt_ids"] + r["chosen_ids"], "rejected_ids": r["prompt_ids"] + r["rejected_ids"]}
+             for r in ids]  # TRL's reward-model rows: whole sequences
+
+    def prepared(trainer, config, rows, **fields):
+        args = config(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, **QUIET, **fields)
+        t = trainer(str(tiny_model_path()), args=args, train_dataset=Dataset.from_list(rows))
+        return t, [{k: row[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for row in t.train_dataset]
+
+    from_text = prepared(plait.DPOTrainer, plait.DPOConfig, PREFERENCE)[1]
+    assert prepared(plait.DPOTrainer, plait.DPOConfig, ids)[1] == from_text
+    reward, rows = prepared(plait.RewardTrainer, plait.RewardConfig, whole)
+    assert [r["prompt_ids"] + r["chosen_ids"] for r in rows] == [r["chosen_ids"] for r in whole]
+    assert [r["prompt_ids"] + r["rejected_ids"] for r in rows] == [r["rejected_ids"] for r in whole]
+    reward.train()
+    assert reward.state.global_step == 1
+    cut = prepared(plait.DPOTrainer, plait.DPOConfig, ids, max_length=4)[1]  # max_length still truncates them
+    assert all(len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) <= 4 for r in cut)
+
+
+def test_padding_free_sft_without_packing_cuts_each_sequence_to_max_length(tmp_path):
+    # TRL 1.16 refuses padding_free=True with max_length and no packing ("`max_length` is not enforced");
+    # plait cuts each sequence when preparing the rows, so the padding-free batch holds them whole to max_length
+    rows = [{"text": "The river runs fast and far past the old town and the hills."}, {"text": "Python is"}]
+    args = plait.SFTConfig(output_dir=str(tmp_path), padding_free=True, max_length=8, max_steps=1, **QUIET)
+    t = plait.SFTTrainer(str(tiny_model_path()), args=args, train_dataset=Dataset.from_list(rows))
+    lengths = [len(row["input_ids"]) for row in t.train_dataset]
+    assert lengths[0] == 8 and lengths[1] < 8
+    batch = t.data_collator([t.train_dataset[i] for i in range(2)])
+    assert batch["input_ids"].shape == (1, sum(lengths))  # one row, no padding
+    assert batch["position_ids"][0].tolist() == list(range(lengths[0])) + list(range(lengths[1]))

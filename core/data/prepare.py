@@ -107,9 +107,20 @@ class DataFormat:
         return validate_canonical(canonical, self.kind, parts=self.multimodal)
 
 
+def token_ids(value: Any) -> bool:
+    """Is ``value`` a list of token ids (a text field of pre-tokenised data, e.g. ``format.tokenised_preference``)?"""
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def is_tokenised(example: Mapping[str, Any], kind: str) -> bool:
+    """Does the canonical row hold token ids instead of text (one non-empty id list is enough: a prompt may be [])?"""
+    return any(token_ids(example.get(f)) and example.get(f) for f in KINDS[kind] if f in TEXT_FIELDS)
+
+
 def validate_canonical(example: dict, kind: str, *, parts: bool = False) -> dict:
     """Check one canonical row (types, None, emptiness, one variant); return it with clean messages."""
     variants = set()
+    tokenised = is_tokenised(example, kind)
     for field in KINDS[kind]:
         value = example.get(field)
         if value is None:
@@ -123,6 +134,8 @@ def validate_canonical(example: dict, kind: str, *, parts: bool = False) -> dict
             continue
         if isinstance(value, str):
             variants.add("standard")
+        elif tokenised and token_ids(value):
+            variants.add("token ids")
         elif chat.is_conversational(value):
             variants.add("conversational")
             example[field] = chat.check_messages(value, field, parts=parts)
@@ -142,7 +155,8 @@ def validate_canonical(example: dict, kind: str, *, parts: bool = False) -> dict
 
 
 def is_conversational_example(example: Mapping[str, Any], kind: str) -> bool:
-    return any(chat.is_conversational(example.get(f)) for f in KINDS[kind] if f in TEXT_FIELDS)
+    texts = [example.get(f) for f in KINDS[kind] if f in TEXT_FIELDS]
+    return not is_tokenised(example, kind) and any(chat.is_conversational(value) for value in texts)
 
 
 def _rows(data: Any, limit: int | None) -> tuple[list[str], list[dict]]:
@@ -273,8 +287,10 @@ class Encoder:
         return {"tools": tools, "template_kwargs": {**(self.chat_template_kwargs or {}), **own} or None}
 
     def pair(self, row: Mapping[str, Any], completion: Any) -> tuple[list[int], list[int]]:
-        """Token ids of the row's prompt and of ``completion`` after it."""
+        """Token ids of the row's prompt and of ``completion`` after it (pre-tokenised rows: as given)."""
         prompt = row["prompt"]
+        if token_ids(prompt) and token_ids(completion):
+            return list(prompt), list(completion)
         prompt_ids, completion_ids = chat.encode_prompt_completion(self.processing_class, prompt, completion,
                                                                    images=row.get("images"), **self.chat_inputs(row))
         if not chat.is_conversational(prompt):
@@ -559,7 +575,8 @@ def prepare_dataset(
         if assistant_only_loss:
             raise PlaitError("assistant_only_loss=True needs conversational data (lists of messages); this dataset holds strings")
         _, sample = _rows(dataset, 100)
-        chat.warn_if_templated(processing_class, [fmt.to_canonical(row) for row in sample], text_fields)
+        if not is_tokenised(first, fmt.kind):
+            chat.warn_if_templated(processing_class, [fmt.to_canonical(row) for row in sample], text_fields)
     if _DECIDING_FORMAT.get():
         raise FormatDecided(component.name, task, list(dataset.column_names))
 
