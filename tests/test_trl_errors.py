@@ -55,6 +55,32 @@ def test_a_missing_train_dataset_is_refused_before_the_model_loads(tmp_path, tra
     assert isinstance(err.value, PlaitError) and "\n" not in str(err.value)
 
 
+class Counter:
+    """A TRL-style environment: reset per episode, public methods as tools, get_reward."""
+
+    def reset(self, **row) -> None:
+        self.total = 0
+
+    def add(self, amount: int) -> int:
+        """Add to the counter.
+
+        Args:
+            amount: how much
+        """
+        self.total += amount
+        return self.total
+
+    def get_reward(self) -> float:
+        return float(self.total)
+
+
+def test_an_environment_factory_needs_a_train_dataset_of_prompts_too(tmp_path):
+    # TRL 1.16 fills in empty prompts for an environment whose reset() returns one; plait's environments are
+    # reset with their dataset row, so the prompts come from the data
+    with pytest.raises(ValueError, match="`train_dataset` is required"):
+        plait.GRPOTrainer(MISSING, args=plait.GRPOConfig(output_dir=str(tmp_path), **QUIET), environment_factory=Counter)
+
+
 @pytest.mark.parametrize("trainer, config, rows", [(plait.DPOTrainer, plait.DPOConfig, PREFERENCE),
                                                    (plait.KTOTrainer, plait.KTOConfig, UNPAIRED)])
 def test_a_reference_that_is_the_model_itself_is_refused(tmp_path, trainer, config, rows):
