@@ -108,3 +108,89 @@ def materialised(named: Sequence[tuple[str, torch.Tensor]]) -> Iterator[tuple[st
     for name, param in named:
         with full_tensor(param) as tensor:
             yield name, tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# The adapter alone: what an engine serving LoRA adapters (vLLM's enable_lora) needs each sync
+# ---------------------------------------------------------------------------------------------
+
+
+def lora_unservable(model) -> str | None:
+    """Why the policy cannot reach an engine as its LoRA adapter alone, or None when it can.
+
+    It can when it is a PEFT model with one active plain LoRA adapter on linear layers: no DoRA
+    or other variant, no LoRA bias, no embedding adapters and no ``modules_to_save`` (full
+    trained copies of modules, which only a merged push carries)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    model = extract_model_from_parallel(model)
+    if not (hasattr(model, "peft_config") and hasattr(model, "merge_adapter")):  # a PeftModel
+        return "the policy has no PEFT adapter"
+    adapters = list(model.active_adapters)
+    config = model.peft_config[adapters[0]]
+    if len(adapters) != 1 or getattr(config, "peft_type", None) != "LORA":
+        return f"the policy's active adapters {adapters} are not one LoRA adapter"
+    if getattr(config, "use_dora", False) or getattr(config, "bias", "none") != "none":
+        return "the adapter uses DoRA or trains biases"
+    if getattr(config, "modules_to_save", None):
+        return f"the adapter trains whole modules too (modules_to_save={config.modules_to_save})"
+    from peft.tuners.lora import LoraLayer
+
+    if any(m.lora_embedding_A for m in model.modules() if isinstance(m, LoraLayer)):
+        return "the adapter targets embedding layers"
+    return None
+
+
+def lora_rank(model) -> int:
+    """The largest rank of the policy's active LoRA adapter (``r`` and its ``rank_pattern``)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    model = extract_model_from_parallel(model)
+    config = model.peft_config[model.active_adapters[0]]
+    return max([config.r, *(config.rank_pattern or {}).values()])
+
+
+@contextlib.contextmanager
+def base_parameters(model) -> Iterator[list[tuple[str, Any]]]:
+    """The frozen base model's parameters under Hugging Face names, adapters left out (not merged)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    model = extract_model_from_parallel(model)
+    prefix = getattr(model.base_model, "prefix", "lora_")
+    yield [(_base_name(name), param) for name, param in model.named_parameters()
+           if prefix not in name and "original_module" not in name]
+
+
+def adapter_parameters(model) -> list[tuple[str, Any]]:
+    """The active LoRA adapter's parameters under the names PEFT saves them with
+    (``base_model.model.<module>.lora_A.weight``): what ``adapter_model.safetensors`` holds."""
+    from accelerate.utils import extract_model_from_parallel
+
+    model = extract_model_from_parallel(model)
+    adapter = model.active_adapters[0]
+    marker = f".{adapter}."
+    return [(name.replace(marker, "."), param) for name, param in model.named_parameters()
+            if ".lora_" in name and marker in name]
+
+
+def save_adapter(model, folder: str) -> int:
+    """Write the active LoRA adapter as a PEFT folder (adapter_config.json, adapter_model.safetensors)
+    that vLLM loads with ``LoRARequest``; sharded tensors are gathered one at a time. Returns the
+    bytes of tensor data written."""
+    import os
+
+    from accelerate.utils import extract_model_from_parallel
+    from safetensors.torch import save_file
+
+    unwrapped = extract_model_from_parallel(model)
+    os.makedirs(folder, exist_ok=True)
+    unwrapped.peft_config[unwrapped.active_adapters[0]].save_pretrained(folder)
+    tensors = {name: tensor.detach().to("cpu").contiguous().clone()
+               for name, tensor in materialised(adapter_parameters(unwrapped))}
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def payload_bytes(named: Sequence[tuple[str, Any]]) -> int:
+    """Bytes of tensor data in (name, parameter) pairs, at their whole (unsharded) shapes."""
+    return sum(int(torch.Size(full_shape(param)).numel()) * param.element_size() for _, param in named)

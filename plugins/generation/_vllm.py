@@ -59,6 +59,15 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def lora_engine_options(rank: int) -> dict[str, Any]:
+    """vllm.LLM options to serve one LoRA adapter of ``rank`` (vLLM takes a rank from a fixed set)."""
+    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
+    if rank > allowed[-1]:
+        raise PlaitError(f"the LoRA rank {rank} is over vLLM's largest max_lora_rank {allowed[-1]}; "
+                         "set vllm_lora_sync=False (merged weights) or train a lower rank")
+    return dict(enable_lora=True, max_lora_rank=next(r for r in allowed if r >= rank), max_loras=1)
+
+
 def refuse_transformers_options(args, who: str) -> None:
     """The vLLM backends cannot honour the transformers backend's continuous batching: say so."""
     for name in ("use_transformers_continuous_batching", "use_transformers_paged"):  # the transformers backend's fields
@@ -315,10 +324,22 @@ class Engine:
         self.detokenize = not options.get("skip_tokenizer_init", False)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
-                 stop_token_ids: Iterable[int] = ()) -> dict[str, list]:
+                 stop_token_ids: Iterable[int] = (), lora_request=None) -> dict[str, list]:
         params = vllm_sampling(self.vllm, sampling, stop_token_ids, detokenize=self.detokenize)
-        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], params, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], params, use_tqdm=False,
+                                    lora_request=lora_request)
         return completion_rows(outputs)
+
+    def load_adapter(self, version: int, folder: str):
+        """Load the PEFT adapter in ``folder`` as LoRA adapter number ``version`` (an engine built with
+        ``enable_lora``) and return the request that generates with it. Each version is a new adapter
+        id: vLLM evicts the previous one (``max_loras=1``) and caches no KV block across versions."""
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(f"plait-policy-{version}", version, folder)
+        self.llm.llm_engine.add_lora(request)
+        self.llm.reset_prefix_cache()
+        return request
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
         """Load (HF name, tensor) pairs (an in-process engine); returns the seconds it took."""

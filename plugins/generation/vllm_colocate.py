@@ -19,7 +19,9 @@ TRL's ``vllm_gpu_memory_utilization``, ``vllm_tensor_parallel_size``, ``vllm_max
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import time
 from typing import ClassVar
 
 import attrs
@@ -35,10 +37,18 @@ from plait.online.generation import (
     encode_prompts,
     eos_token_ids,
 )
-from plait.online.weights import materialised, policy_parameters
+from plait.online.weights import (
+    base_parameters,
+    lora_rank,
+    lora_unservable,
+    materialised,
+    payload_bytes,
+    policy_parameters,
+    save_adapter,
+)
 from plait.params import in_range
 
-from ._vllm import Engine, on_cpu, refuse_transformers_options
+from ._vllm import Engine, lora_engine_options, on_cpu, refuse_transformers_options
 
 NAME = "generation.vllm_colocate"
 
@@ -66,6 +76,8 @@ class VLLMColocateParams:
         "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
         "seed": "the engine's sampling seed (null: the run's seed)",
         "engine_kwargs": "more vllm.LLM keyword arguments",
+        "lora_sync": "a LoRA policy reaches the engine as its adapter alone, served by vLLM's LoRA support "
+                     "(False: adapters merged and every weight pushed)",
     }
     gpu_memory_utilization: float = attrs.field(default=0.3, validator=in_range(0.0, 1.0, low_open=True))
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive_int)
@@ -77,6 +89,7 @@ class VLLMColocateParams:
     enable_prefix_caching: bool = True
     seed: int | None = None  # None: the run's seed
     engine_kwargs: dict = attrs.field(factory=dict)
+    lora_sync: bool = True
 
 
 class VLLMColocateBackend(GenerationBackend):
@@ -95,7 +108,13 @@ class VLLMColocateBackend(GenerationBackend):
         self.engine: Engine | None = None
         self.asleep = False
         self.push_seconds: list[float] = []  # how long each load_weights took
+        self.push_bytes: list[int] = []  # the tensor bytes each load_weights sent
+        # adapter-only sync: the engine serves the policy's LoRA adapter over the frozen base weights
+        self.lora = self.params.lora_sync and lora_unservable(model) is None
+        self.adapter_version = 0
+        self.lora_request = None  # the adapter version generation uses
         self._folder: tempfile.TemporaryDirectory | None = None
+        self._adapters: tempfile.TemporaryDirectory | None = None
 
     def start(self) -> None:
         if self.engine is not None:
@@ -109,7 +128,12 @@ class VLLMColocateBackend(GenerationBackend):
             options["kv_cache_memory_bytes"] = p.kv_cache_memory_bytes
         if _distributed_world() > 1:
             options["distributed_executor_backend"] = "external_launcher"  # one engine per training process
+        if self.lora:
+            options.update(lora_engine_options(lora_rank(self.model)))
         self.engine = Engine(self._model_folder(), in_process=True, who=NAME, **{**options, **p.engine_kwargs})
+        if self.lora:
+            self._adapters = tempfile.TemporaryDirectory(prefix="plait-vllm-lora-")
+            self._push_adapter(self.model)  # the engine generates with the policy's adapter from the first batch
 
     def _model_folder(self) -> str:
         """Where the engine loads the architecture and first weights from: the policy's own folder
@@ -120,8 +144,12 @@ class VLLMColocateBackend(GenerationBackend):
         if os.path.isfile(os.path.join(source, "config.json")) or (source and not os.path.exists(source)):
             return source  # a saved folder, or a hub id
         self._folder = tempfile.TemporaryDirectory(prefix="plait-vllm-")
-        with policy_parameters(self.model):  # adapters merged: the saved weights are the policy's
-            base.save_pretrained(self._folder.name)
+        if self.lora:  # the frozen base weights; the adapter arrives on its own
+            with base_parameters(self.model) as named:
+                base.save_pretrained(self._folder.name, state_dict=dict(materialised(named)))
+        else:
+            with policy_parameters(self.model):  # adapters merged: the saved weights are the policy's
+                base.save_pretrained(self._folder.name)
         return self._folder.name
 
     def generate(self, prompts, sampling: SamplingParams) -> Generations:
@@ -129,7 +157,7 @@ class VLLMColocateBackend(GenerationBackend):
         if self.asleep:
             self.wake()
         prompt_ids = encode_prompts(self.processing_class, prompts)
-        rows = self.engine.generate(prompt_ids, sampling, self.eos_ids)
+        rows = self.engine.generate(prompt_ids, sampling, self.eos_ids, lora_request=self.lora_request)
         texts = tokenizer_of(self.processing_class).batch_decode(rows["completion_ids"], skip_special_tokens=True)
         return Generations(prompt_ids=rows["prompt_ids"], completion_ids=rows["completion_ids"], texts=texts,
                            finished=rows["finished"], logprobs=rows["logprobs"])
@@ -138,8 +166,23 @@ class VLLMColocateBackend(GenerationBackend):
         self.start()
         if self.asleep:
             self.wake()
+        if self.lora:
+            self._push_adapter(model)
+            return
         with policy_parameters(model) as named:
+            self.push_bytes.append(payload_bytes(named))
             self.push_seconds.append(self.engine.load_weights(materialised(named)))
+
+    def _push_adapter(self, model) -> None:
+        """Save the adapter as a new version and load it into the engine; the previous version's
+        files go once the new one is loaded."""
+        start = time.perf_counter()
+        self.adapter_version += 1
+        folder = os.path.join(self._adapters.name, f"v{self.adapter_version}")
+        self.push_bytes.append(save_adapter(model, folder))
+        self.lora_request = self.engine.load_adapter(self.adapter_version, folder)
+        self.push_seconds.append(time.perf_counter() - start)
+        shutil.rmtree(os.path.join(self._adapters.name, f"v{self.adapter_version - 1}"), ignore_errors=True)
 
     def sleep(self) -> None:
         if self.params.enable_sleep_mode and self.engine is not None and not self.asleep:
@@ -155,9 +198,10 @@ class VLLMColocateBackend(GenerationBackend):
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-        if self._folder is not None:
-            self._folder.cleanup()
-            self._folder = None
+        for folder in (self._folder, self._adapters):
+            if folder is not None:
+                folder.cleanup()
+        self._folder = self._adapters = None
 
 
 def _unwrap(model):
