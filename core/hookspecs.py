@@ -273,6 +273,18 @@ def register_environments(register: Register) -> None:
     """
 
 
+@registration("rollout filter", listed_as="filters")
+def register_rollout_filters(register: Register) -> None:
+    """Register rollout filters by name (``filter.zero_variance``, ``filter.accuracy_band``): dynamic sampling.
+
+    ``obj(group, params) -> bool`` keeps (True) or drops one scored group of completions of a prompt;
+    ``group`` is a :class:`plait.online.filtering.RolloutGroup` (its prompt, total rewards, per-function
+    scores, completion lengths and truncation flags). The online chassis refills the generation batch
+    with further prompts in place of dropped groups, up to ``max_num_gen_batches`` rounds
+    (:mod:`plait.online.filtering`).
+    """
+
+
 @registration("command")
 def register_commands(register: Register) -> None:
     """Register ``plait`` CLI subcommands (``command.vllm-serve`` becomes ``plait vllm-serve``).

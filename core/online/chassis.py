@@ -63,6 +63,7 @@ from .buffer import (
     split_rows,
     whole_groups,
 )
+from .filtering import PromptStream, RolloutFilterChoice, RolloutGroup, joined, resolve_rollout_filters, rows_of
 from .generation import TRL_VLLM_MODES, GenerationChoice, Generations, SamplingParams, resolve_backend
 from .importance_sampling import importance_sampling_metrics, importance_weights
 from .rollouts import Agent, AgentChoice
@@ -75,6 +76,7 @@ from .scoring import (
     resolve_reward_funcs,
     reward_metrics,
     reward_weights,
+    total_reward,
 )
 
 logger = logging.getLogger("plait")
@@ -108,10 +110,11 @@ class RolloutParams(GenerationChoice, LossChoice):
 
 
 @attrs.define
-class OnlineParams(ReferenceSync, AgentChoice, RolloutParams, RewardChoice):
+class OnlineParams(ReferenceSync, AgentChoice, RolloutParams, RewardChoice, RolloutFilterChoice):
     """Knobs every online method shares, its losses included; names and defaults follow TRL's GRPOConfig.
     How completions are sampled and logged is :class:`plait.online.generation.GenerationChoice`; tools,
-    environments and rollout functions (multi-turn episodes) are :class:`plait.online.rollouts.AgentChoice`.
+    environments and rollout functions (multi-turn episodes) are :class:`plait.online.rollouts.AgentChoice`;
+    dynamic sampling (rollout filters, refilled batches) is :class:`plait.online.filtering.RolloutFilterChoice`.
 
     ``num_generations_eval`` completions per prompt are sampled in evaluation (None: ``num_generations``).
     The sampler's importance ratio ρ (see :mod:`plait.online.importance_sampling`) is bounded to
@@ -347,6 +350,7 @@ class RolloutTrainer(PlaitTrainer):
         """One rollout of a collated prompt batch, as the buffer's tensors (rows first)."""
         draft = self.sample(inputs)
         self.score(draft)
+        draft = self.filter_groups(draft)
         self.estimate(draft)
         return self.record_rollout(draft)
 
@@ -362,6 +366,10 @@ class RolloutTrainer(PlaitTrainer):
 
     def score(self, draft: Draft) -> None:
         """Score the completions (``draft.rewards``); none by default: a teacher grades them in the loss."""
+
+    def filter_groups(self, draft: Draft) -> Draft:
+        """The scored draft the rollout keeps (dynamic sampling, :mod:`plait.online.filtering`); by default all of it."""
+        return draft
 
     def estimate(self, draft: Draft) -> None:
         """What the loss learns from the scores (advantages, values, a normaliser)."""
@@ -523,6 +531,23 @@ class OnlineTrainer(RolloutTrainer):
                              + ([self.agent.reward_function()] if owned else []))
         weights = p.reward_weights if p.reward_weights is None or not owned else [*p.reward_weights, 1.0]
         self.reward_weights = reward_weights(self.reward_funcs, weights)
+        self.rollout_filters = resolve_rollout_filters(p.rollout_filters, self.plugins)
+        if self.rollout_filters:
+            self.check_refillable()
+
+    def check_refillable(self) -> None:
+        """Dynamic sampling refills a batch with this chassis's own sampling and scoring, group by group."""
+        own = [step for step in ("sample", "score") if getattr(type(self), step) is not getattr(OnlineTrainer, step)]
+        if own:
+            raise PlaitError(f"rollout_filters: {type(self).__name__} has its own {' and '.join(own)} step, so dropped "
+                             "groups cannot be refilled; drop rollout_filters or use GRPOTrainer or RLOOTrainer")
+        if self.sizes.local % self.sizes.num_generations:
+            raise PlaitError(f"rollout_filters: each process samples {self.sizes.local} completions, not whole groups of "
+                             f"num_generations={self.sizes.num_generations}; make per_device_train_batch_size × "
+                             "steps_per_generation a multiple of num_generations")
+        if self._images:
+            raise PlaitError("rollout_filters: refilling batches of prompts with images is not supported; drop "
+                             "rollout_filters for this dataset")
 
     @property
     def reward_processing_classes(self) -> list:
@@ -580,6 +605,12 @@ class OnlineTrainer(RolloutTrainer):
             self.add_callback(SyncReference(self.reference))
         super().after_init()
         self.unscored = UnscoredBatches([f.name for f in self.reward_funcs], p.max_unscored_batches)
+        self.prompt_stream, self._generated_tokens = None, 0
+        if self.rollout_filters and self.train_dataset is not None:
+            if not hasattr(self.train_dataset, "__len__"):
+                raise PlaitError("rollout_filters refill batches from the train_dataset by index, which a streamed "
+                                 "(iterable) dataset has not; drop rollout_filters or load the dataset whole")
+            self.prompt_stream = PromptStream(len(self.train_dataset), p.shuffle_dataset, self.args.seed)
 
     # -- data loading -------------------------------------------------------------------------
     def _get_eval_sampler(self, eval_dataset):
@@ -593,11 +624,17 @@ class OnlineTrainer(RolloutTrainer):
         return self.args.params.generations_per_prompt(training=self.model.training)
 
     def resume_state(self) -> dict:
-        return {**super().resume_state(), "num_tokens": getattr(self, "_tokens_seen", 0)}
+        state = {**super().resume_state(), "num_tokens": getattr(self, "_tokens_seen", 0)}
+        if getattr(self, "prompt_stream", None) is not None:  # where refills stand in the prompts
+            state["rollout_filters"] = {"stream": self.prompt_stream.state_dict(), "generated": self._generated_tokens}
+        return state
 
     def load_resume_state(self, state: dict) -> None:
         super().load_resume_state(state)
         self._tokens_seen = state["num_tokens"]
+        if getattr(self, "prompt_stream", None) is not None and "rollout_filters" in state:
+            self.prompt_stream.load_state_dict(state["rollout_filters"]["stream"])
+            self._generated_tokens = state["rollout_filters"]["generated"]
 
     def needs_old_logps(self) -> bool:
         """Does the policy change while the buffer is in use? (then ratios need π_old)."""
@@ -635,6 +672,83 @@ class OnlineTrainer(RolloutTrainer):
         everyone = self.reward_scores(draft, logs)
         self._record_logged_metrics(logs.metrics)
         draft.everyone, draft.reward_logs = everyone, logs
+
+    # -- dynamic sampling (plait.online.filtering) ---------------------------------------------
+    rollout_filters: list = []
+
+    def filter_groups(self, draft: Draft) -> Draft:
+        """DAPO's dynamic sampling (Yu et al. 2025, §3.2): groups a filter drops are replaced by groups of further
+        prompts, sampled and scored, up to ``max_num_gen_batches`` rounds; then the latest dropped groups fill
+        what is missing. Every process runs the same number of rounds (generation and scoring gather)."""
+        if not self.rollout_filters or not self.model.training:
+            return draft
+        p, g, device = self.args.params, self.group_size, self.accelerator.device
+        wanted = len(draft.prompt_ids) // g
+        kept: list[tuple[Draft, int]] = []
+        dropped: list[tuple[Draft, int]] = []
+        by_filter = dict.fromkeys((f.name for f in self.rollout_filters), 0)
+        rounds = tokens = 0
+        while True:
+            rounds += 1
+            tokens += sum(len(ids) for ids in draft.generations.completion_ids)
+            for index, group in enumerate(self.groups_of(draft)):
+                dropper = next((f for f in self.rollout_filters if not f.keeps(group)), None)
+                if dropper is None:
+                    kept.append((draft, index))
+                else:
+                    dropped.append((draft, index))
+                    by_filter[dropper.name] += 1
+            short = int(self.accelerator.gather(torch.tensor([wanted - len(kept)], device=device)).max())
+            if short <= 0 or rounds >= p.max_num_gen_batches:
+                break
+            draft = self.sample(self.refill_inputs(wanted))
+            self.score(draft)
+        padding = max(wanted - len(kept), 0)
+        local = torch.tensor([len(dropped), padding, tokens, *by_filter.values()], device=device, dtype=torch.float64)
+        totals = self.accelerator.gather(local).view(self.accelerator.num_processes, -1).sum(0).tolist()
+        self._generated_tokens += int(totals[2])
+        self.record({"rollout_filter/rounds": rounds, "rollout_filter/dropped_groups": totals[0],
+                     "rollout_filter/padded_groups": totals[1], "rollout_filter/generated_tokens": self._generated_tokens,
+                     "rollout_filter/prompts": rounds * wanted * self.accelerator.num_processes,
+                     **{f"rollout_filter/dropped/{name}": n for name, n in zip(by_filter, totals[3:])}})
+        if rounds == 1 and len(kept) == wanted:
+            return draft
+        return self.joined_draft(kept[:wanted] + (dropped[len(dropped) - padding:] if padding else []))
+
+    def groups_of(self, draft: Draft) -> list[RolloutGroup]:
+        """This process's scored groups of a draft (whole groups: :meth:`check_refillable`)."""
+        g = self.group_size
+        rewards = total_reward(self.gather_rollout(draft.rewards))
+        scores = draft.rewards.float().cpu()
+        lengths = torch.tensor([len(ids) for ids in draft.generations.completion_ids])
+        truncated = ~draft.finished.bool().cpu()
+        return [RolloutGroup(draft.prompts[s], rewards[s:s + g], scores[s:s + g], lengths[s:s + g], truncated[s:s + g])
+                for s in range(0, len(draft.prompt_ids), g)]
+
+    def refill_inputs(self, groups: int) -> dict:
+        """The next ``groups`` prompts of this process from the refill stream, collated ``group_size`` times each."""
+        rank, g = self.accelerator.process_index, self.group_size
+        everyone = self.prompt_stream.take(groups * self.accelerator.num_processes)
+        return self.data_collator([self.train_dataset[i] for i in everyone[rank * groups:(rank + 1) * groups]
+                                   for _ in range(g)])
+
+    def joined_draft(self, chosen: list[tuple[Draft, int]]) -> Draft:
+        """One scored draft of the chosen groups (a draft and a group's index in it), repacked."""
+        g = self.group_size
+        parts = [(d, list(range(i * g, (i + 1) * g)), len(d.prompt_ids)) for d, i in chosen]
+
+        def cut(values) -> Any:  # each part's rows of a per-row value, end to end
+            return joined([rows_of(values(d), rows, n) for d, rows, n in parts])
+
+        # the prompts' padded ids differ in width between rounds; prompt_ids hold them
+        inputs = cut(lambda d: {k: v for k, v in d.inputs.items() if k not in ("input_ids", "attention_mask")})
+        generations = type(chosen[0][0].generations)(**cut(lambda d: attrs.asdict(d.generations, recurse=False)))
+        out = self.sampled(inputs, cut(lambda d: d.prompt_ids), generations)
+        out.columns = cut(lambda d: d.columns)
+        out.rewards = cut(lambda d: d.rewards)
+        out.everyone = self.accelerator.gather(out.rewards)
+        out.reward_logs = RewardLogs(extra=cut(lambda d: d.reward_logs.extra))
+        return out
 
     def estimate(self, draft: Draft) -> None:
         """The sampling policy's and the reference's log-probs, importance weights against the sampler's

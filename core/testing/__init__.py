@@ -16,7 +16,7 @@ _EXPORTS = {
     "contracts": ("ContractViolation", "check_advantage_estimator", "check_callbacks", "check_collator",
                   "check_command", "check_component", "check_data_format", "check_environment",
                   "check_generation_backend", "check_judge", "check_loss", "check_method", "check_packing_strategy",
-                  "check_params", "check_reward", "describe", "encoded_rows"),
+                  "check_params", "check_reward", "check_rollout_filter", "describe", "encoded_rows"),
     "strategies": ("BatchKind", "batch_kind", "batches", "pairwise_rewards", "policy_tokens", "preference_logps",
                    "register_batch_kind", "reward_inputs", "rollouts", "take", "token_distributions", "token_logps",
                    "unpaired_logps", "value_tokens"),

@@ -46,7 +46,7 @@ from .strategies import HALF, WIDE_REWARDS, BatchKind, batch_kind, batch_size_of
 __all__ = [
     "CHECKS", "ContractViolation", "check_advantage_estimator", "check_callbacks", "check_collator", "check_command",
     "check_component", "check_data_format", "check_generation_backend", "check_judge", "check_loss", "check_method",
-    "check_packing_strategy", "check_params", "check_reward", "describe", "encoded_rows",
+    "check_packing_strategy", "check_params", "check_reward", "check_rollout_filter", "describe", "encoded_rows",
 ]
 
 # The keyword arguments every reward function receives besides dataset columns.
@@ -898,6 +898,49 @@ def check_packing_strategy(component_or_name: Component | str, plugins: Plugins 
     return ["bins fit max_length", "slices inside their example", "slices never overlap", "every example packed"]
 
 
+def check_rollout_filter(component_or_name: Component | str, plugins: Plugins | None = None, *,
+                         params: dict | None = None) -> list[str]:
+    """A rollout filter (built from ``params``) keeps or drops every scored group it is shown (2 to 8 completions,
+    tied rewards, all equal, NaN for unscored ones, truncated completions): True or False, the same answer twice
+    and for the group's completions in any order (a group is a set), leaving the group as it was."""
+    from plait.online.filtering import RolloutFilter, RolloutGroup
+
+    plugins = make_plugins() if plugins is None else plugins
+    component = _component(component_or_name, "rollout_filters", plugins)
+    who = _who(component)
+    values = None if component.params is None else _make_params(component, _base_values(component, params))
+    rollout_filter = RolloutFilter(component, values)
+    generator = torch.Generator().manual_seed(0)
+
+    def verdict(group: RolloutGroup) -> bool:
+        try:
+            return rollout_filter.keeps(group)
+        except PlaitError as err:
+            raise ContractViolation(who, "keeps or drops", f"{err} for {describe(group)}") from err
+
+    for case in range(DEFAULT_EXAMPLES):
+        g = 2 + case % 7
+        rewards = torch.randint(0, 3, (g,), generator=generator).double()
+        if case % 4 == 1:
+            rewards[:] = rewards[0]  # every completion alike: the group DAPO drops
+        if case % 3 == 0:
+            rewards[0] = math.nan  # a completion no reward scored
+        lengths = torch.randint(1, 9, (g,), generator=generator)
+        group = RolloutGroup(f"prompt {case}", rewards, rewards.float()[:, None], lengths, lengths == 8)
+        kept = verdict(group)
+        if verdict(group) != kept:
+            raise ContractViolation(who, "answers the same twice", describe(group))
+        order = torch.randperm(g, generator=generator)
+        shuffled = RolloutGroup(group.prompt, *(getattr(group, f)[order] for f in ("rewards", "scores", "lengths",
+                                                                                    "truncated")))
+        if verdict(shuffled) != kept:
+            raise ContractViolation(who, "ignores the completions' order", f"{describe(group)} reordered {order.tolist()}")
+        if not torch.equal(group.rewards.nan_to_num(-7), rewards.nan_to_num(-7)) or group.lengths.tolist() != \
+                lengths.tolist():
+            raise ContractViolation(who, "leaves the group unchanged", describe(group))
+    return ["keeps or drops", "answers the same twice", "ignores the completions' order", "leaves the group unchanged"]
+
+
 def check_judge(component_or_name: Component | str, plugins: Plugins | None = None, *,
                 params: dict | None = None) -> list[str]:
     """A judge (built from ``params`` when it takes them) ranks pairs: one of -1, 0, 1 per pair; a judge
@@ -966,6 +1009,7 @@ CHECKS: dict[str, Callable[..., list[str]]] = {
     "environment": _check_environment_component, "method": check_method, "generation backend": check_generation_backend,
     "data format": check_data_format, "collator": check_collator, "packing strategy": check_packing_strategy,
     "judge": check_judge, "command": check_command,
+    "rollout filter": check_rollout_filter,
 }
 
 
