@@ -137,6 +137,23 @@ class EnvironmentOptions(Options):
     owns_reward: bool = flag(True)
 
 
+@attrs.frozen(eq=False)  # Options' equality and hash: values may be unhashable
+class ChatTemplateOptions(Options):
+    """How a model's own chat template is recognised: every string of ``recognises`` appears in it and none of
+    ``unless`` does, or, for a test strings cannot state (a hash), ``matches(template) -> bool``."""
+
+    recognises: tuple = attrs.field(default=(), validator=deep_iterable(instance_of(str), instance_of((tuple, list))))
+    unless: tuple = attrs.field(default=(), validator=deep_iterable(instance_of(str), instance_of((tuple, list))))
+    matches: Callable | None = attrs.field(default=None, validator=optional(is_callable()))
+
+    def recognise(self, template: str) -> bool:
+        """Whether ``template`` (a tokenizer's own chat template) is this entry's family's."""
+        if self.matches is not None:
+            return bool(self.matches(template))
+        return bool(self.recognises) and all(s in template for s in self.recognises) and not any(
+            s in template for s in self.unless)
+
+
 @attrs.frozen
 class Kind:
     """One kind of component, declared by marking its registration hook with :func:`registration`."""
@@ -270,6 +287,18 @@ def register_environments(register: Register) -> None:
     answers each model turn (tool results, a reply) until the episode ends, and may score it
     (``owns_reward=False`` when it never does). A parser's ``obj(text) -> (content, [ToolCall])``
     reads the tool calls out of one model turn (see :mod:`plait.online.tools`).
+    """
+
+
+@registration("chat template", ChatTemplateOptions, listed_as="templates")
+def register_chat_templates(register: Register) -> None:
+    """Register training chat templates by model family (``template.qwen3``, ``template.deepseek_r1_distill``).
+
+    ``obj`` is a Jinja chat template (a string) with ``{% generation %}`` markers around each assistant output,
+    whose rendering of a conversation extends its rendering of every earlier part of it, and which renders the
+    last turn and the generation prompt as the family's own template does. Assistant-only loss uses it when a
+    tokenizer's own template lacks the markers and is recognised (options ``recognises``/``unless``/``matches``),
+    or when a run names it (``chat_template_path: qwen3``).
     """
 
 

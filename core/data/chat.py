@@ -13,12 +13,15 @@ carry ``tool_calls`` instead of content); standard values are plain strings used
   otherwise are derived by rendering growing prefixes of the conversation: the span of an
   assistant turn runs from the end of the generation prompt before it to its end-of-sequence
   token (what the model emits when it stops). That is sound only for prefix-preserving
-  templates, which is checked on every example; templates that rewrite earlier turns (e.g. drop
-  past reasoning) are refused with a clear error.
+  templates, which is checked on every example. A template that rewrites earlier turns (e.g. drops
+  past reasoning) is replaced, for the masks, by a registered training template that recognises it
+  (``register_chat_templates``: Qwen3, DeepSeek-R1-Distill; said once in the log), and is refused with a
+  clear error when none does. A run may also name one (``chat_template_path: qwen3``).
 """
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import re
 import warnings
@@ -30,6 +33,8 @@ from .pretrained import pretrained_kwargs
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _SENTINEL = "PLAITSENTINEL"
+logger = logging.getLogger("plait")
+_announced: set[str] = set()  # training templates already said to be in use
 
 
 def tokenizer_of(processing_class: Any) -> Any:
@@ -109,9 +114,13 @@ def has_chat_template(processing_class: Any) -> bool:
     return bool(getattr(tokenizer_of(processing_class), "chat_template", None))
 
 
-def has_generation_markers(processing_class: Any) -> bool:
-    template = getattr(tokenizer_of(processing_class), "chat_template", None)
+def marks_generation(template: Any) -> bool:
+    """Whether a chat template (a Jinja string) carries ``{% generation %}`` markers."""
     return isinstance(template, str) and bool(_GENERATION_TAG.search(template))
+
+
+def has_generation_markers(processing_class: Any) -> bool:
+    return marks_generation(getattr(tokenizer_of(processing_class), "chat_template", None))
 
 
 def require_chat_template(processing_class: Any, column: str) -> None:
@@ -122,11 +131,23 @@ def require_chat_template(processing_class: Any, column: str) -> None:
         )
 
 
-def load_chat_template(processing_class: Any, path: str | pathlib.Path) -> None:
-    """Set the tokenizer's chat template from a Jinja file or from a model/tokenizer folder."""
-    path = pathlib.Path(path)
+def _chat_templates(plugins: Any = None) -> Any:
+    from plait.manager import default_plugins  # deferred: the registry loads every plugin
+
+    return (plugins or default_plugins()).chat_templates
+
+
+def load_chat_template(processing_class: Any, path: str | pathlib.Path, plugins: Any = None) -> None:
+    """Set the tokenizer's chat template from a Jinja file, a model/tokenizer folder, or a registered training
+    template named by its family (``qwen3`` or ``template.qwen3``) when no such path exists."""
+    name, path = str(path), pathlib.Path(path)
     tokenizer = tokenizer_of(processing_class)
-    if path.is_file():
+    if not path.exists() and re.fullmatch(r"[a-z0-9_.]+", name):
+        try:
+            tokenizer.chat_template = _chat_templates(plugins).get(name, family="template").obj
+        except PlaitError as err:  # unknown (did you mean ...): say which field named it
+            raise PlaitError(f"chat_template_path={name!r} is no file or folder, and {err}") from None
+    elif path.is_file():
         tokenizer.chat_template = path.read_text()
     elif path.is_dir():
         from transformers import AutoTokenizer
@@ -135,7 +156,27 @@ def load_chat_template(processing_class: Any, path: str | pathlib.Path) -> None:
             raise PlaitError(f"chat_template_path={str(path)!r}: that tokenizer has no chat template; point at one that does")
         tokenizer.chat_template = template
     else:
-        raise PlaitError(f"chat_template_path={str(path)!r} does not exist; give a .jinja file or a model folder")
+        raise PlaitError(f"chat_template_path={str(path)!r} does not exist; give a .jinja file, a model folder or the "
+                         "name of a training chat template (plait list templates)")
+
+
+def training_template(processing_class: Any, plugins: Any = None) -> str | None:
+    """The registered training template that recognises the tokenizer's own chat template, when that template lacks
+    ``{% generation %}`` markers (None when it has them or no registered template recognises it)."""
+    template = getattr(tokenizer_of(processing_class), "chat_template", None)
+    if not isinstance(template, str) or marks_generation(template):
+        return None
+    for component in _chat_templates(plugins):
+        if component.options.recognise(template):
+            if component.name not in _announced:
+                _announced.add(component.name)
+                # a warning, not info: earlier turns are trained as written, not as the model's template renders them
+                logger.warning("plait: the tokenizer's chat template is %s's, which has no {%% generation %%} markers; "
+                               "assistant-only masks use the training template %r (earlier turns rendered as written, "
+                               "the last one as the model's own template renders it)",
+                               component.name.split(".", 1)[1], component.name)
+            return component.obj
+    return None
 
 
 def render(
@@ -271,8 +312,9 @@ def _not_prefix_preserving(n: int, *, generation_prompt: bool = False, content: 
         what = f"rendering the first {n} messages is not a prefix of rendering the whole conversation"
     return PlaitError(
         f"assistant_only_loss=True: the chat template is not prefix-preserving ({what}; it rewrites earlier "
-        "turns), so assistant tokens cannot be located; use a template with {% generation %} markers via "
-        "chat_template_path, or set assistant_only_loss=False"
+        "turns) and no registered training template recognises it (plait list templates), so assistant tokens "
+        "cannot be located; name one (chat_template_path: qwen3), give a template with {% generation %} markers "
+        "via chat_template_path, or set assistant_only_loss=False"
     )
 
 
@@ -281,11 +323,15 @@ def encode_with_assistant_mask(processing_class: Any, messages: list[dict], *, t
                                template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[int]]:
     """Token ids of a conversation and a 0/1 mask of its assistant tokens.
 
-    Uses the template's ``{% generation %}`` markers when present, else :func:`assistant_spans`.
+    Uses the template's ``{% generation %}`` markers when present, else those of the registered training
+    template that recognises it (:func:`training_template`), else :func:`assistant_spans`.
     With ``images`` the ids are the processor's expansion and image tokens are masked out.
     """
     tokenizer = tokenizer_of(processing_class)
-    if has_generation_markers(tokenizer):
+    training = training_template(tokenizer)
+    if training is not None:  # rendered with it instead of the tokenizer's own, as TRL's chat_template= does
+        template_kwargs = {**(template_kwargs or {}), "chat_template": training}
+    if training is not None or has_generation_markers(tokenizer):
         out = tokenizer.apply_chat_template(
             messages, tools=tools or None, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
             **(template_kwargs or {}),

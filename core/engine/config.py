@@ -139,8 +139,12 @@ def _optional_text(instance, attribute, value) -> None:
 
 
 def _existing_path(instance, attribute, value) -> None:
-    if value is not None and not Path(value).expanduser().exists():
-        raise ValueError(f"{attribute.name}={value!r} does not exist; give a .jinja file or a tokenizer folder")
+    # a bare lower-case name (qwen3, template.qwen3) names a registered training chat template, checked when the
+    # tokenizer loads
+    template_name = re.fullmatch(r"[a-z0-9_.]+", value or "") and not value.endswith((".jinja", ".j2"))
+    if value is not None and not Path(value).expanduser().exists() and not template_name:
+        raise ValueError(f"{attribute.name}={value!r} does not exist; give a .jinja file, a tokenizer folder or the "
+                         "name of a training chat template (plait list templates)")
 
 
 @attrs.define
@@ -168,7 +172,7 @@ class ModelLoading:
         "trust_remote_code": "run the code a model folder names in its auto_map (every from_pretrained of the run)",
         "pad_token": "replace the tokenizer's padding token (a token of the vocabulary)",
         "eos_token": "replace the tokenizer's EOS: the completion terminator, where generation stops",
-        "chat_template_path": "a Jinja file or tokenizer folder whose chat template replaces the tokenizer's",
+        "chat_template_path": "a Jinja file, tokenizer folder or training template (qwen3) replacing the tokenizer's template",
         "disable_dropout": "set every dropout of the policy and the models beside it to p=0",
         "router_aux_loss_coef": "weight of a Mixture-of-Experts load-balancing loss (null: the model's own; 0: off)",
         "activation_offloading": "keep activations saved for backward in CPU memory (on an accelerator)",

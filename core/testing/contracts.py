@@ -36,6 +36,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
+from plait.data.chat import marks_generation
 from plait.engine.objective import OUTPUTS
 from plait.errors import PlaitError
 from plait.manager import Plugins, make_plugins
@@ -47,6 +48,7 @@ __all__ = [
     "CHECKS", "ContractViolation", "check_advantage_estimator", "check_callbacks", "check_collator", "check_command",
     "check_component", "check_data_format", "check_generation_backend", "check_judge", "check_loss", "check_method",
     "check_packing_strategy", "check_params", "check_reward", "check_rollout_filter", "describe", "encoded_rows",
+    "check_chat_template",
 ]
 
 # The keyword arguments every reward function receives besides dataset columns.
@@ -962,6 +964,66 @@ def check_judge(component_or_name: Component | str, plugins: Plugins | None = No
     return checked
 
 
+# A conversation of two exchanges whose assistant turns carry reasoning (which some families' templates drop).
+TEMPLATE_CONVERSATION = (
+    {"role": "user", "content": "What is 7 plus 5?"},
+    {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\nIt is 12."},
+    {"role": "user", "content": "And 9 times 8?"},
+    {"role": "assistant", "content": "<think>\nMultiply them.\n</think>\n\nIt is 72."},
+)
+
+
+def _render_template(template: str, messages: Sequence[dict], add_generation_prompt: bool = False):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    (text,), indices = render_jinja_template([list(messages)], chat_template=template,
+                                             return_assistant_tokens_mask=marks_generation(template),
+                                             add_generation_prompt=add_generation_prompt, bos_token="", eos_token="")
+    return text, [text[start:end] for start, end in (indices[0] if indices else ())]
+
+
+def check_chat_template(component_or_name: Component | str, plugins: Plugins | None = None, *,
+                        original: str | None = None) -> list[str]:
+    """A training chat template carries ``{% generation %}`` markers and declares how its family's template is
+    recognised; on a two-exchange conversation with reasoning its rendering extends that of every earlier part (and
+    of the generation prompt before each assistant turn), and its generation spans hold each assistant turn's
+    reasoning and answer and no user text. Given the family's ``original`` template, it recognises it and renders
+    a one-exchange conversation and the generation prompt exactly as it does."""
+    plugins = make_plugins() if plugins is None else plugins
+    component = _component(component_or_name, "chat_templates", plugins)
+    who, template, options = _who(component), component.obj, component.options
+    if not marks_generation(template):
+        raise ContractViolation(who, "has generation markers", "its object is not a Jinja string with {% generation %}")
+    if not options.recognises and options.matches is None:
+        raise ContractViolation(who, "is recognisable", "declares neither recognises= nor matches=")
+    messages = list(TEMPLATE_CONVERSATION)
+    full, spans = _render_template(template, messages)
+    for k in range(1, len(messages)):
+        upto, _ = _render_template(template, messages[:k], add_generation_prompt=messages[k]["role"] == "assistant")
+        if not full.startswith(upto):
+            raise ContractViolation(who, "is prefix-preserving", f"the first {k} messages render {upto!r}, not a "
+                                    f"prefix of the conversation's {full!r}")
+    # each assistant turn's reasoning and answer, without the <think> tags a template may rewrite around them
+    answers = [[part.removeprefix("<think>").strip() for part in m["content"].split("</think>")]
+               for m in messages if m["role"] == "assistant"]
+    if len(spans) != len(answers) or any(
+            not all(part in span for part in answer) for span, answer in zip(spans, answers)):
+        raise ContractViolation(who, "marks the assistant turns", f"generation spans {spans!r} for {len(answers)} "
+                                "assistant turns")
+    if any(m["content"] in span for m in messages if m["role"] == "user" for span in spans):
+        raise ContractViolation(who, "marks only the assistant turns", f"generation spans {spans!r} hold user text")
+    checked = ["has generation markers", "is recognisable", "is prefix-preserving", "marks the assistant turns"]
+    if original is not None:
+        if not options.recognise(original):
+            raise ContractViolation(who, "recognises its family's template", "options.recognise(original) is False")
+        for part, prompt in ((messages[:1], True), ([messages[0], {"role": "assistant", "content": "It is 12."}], False)):
+            ours, theirs = (_render_template(t, part, add_generation_prompt=prompt)[0] for t in (template, original))
+            if ours != theirs:
+                raise ContractViolation(who, "renders the last turn as the original", f"{ours!r} != {theirs!r}")
+        checked += ["recognises its family's template", "renders the last turn as the original"]
+    return checked
+
+
 def check_command(component_or_name: Component | str, plugins: Plugins | None = None) -> list[str]:
     """A command is a :class:`plait.cli.Command` whose ``run`` is callable (or that names a registered
     method it is another name of) and whose ``add_arguments`` fills a fresh parser."""
@@ -1008,7 +1070,7 @@ CHECKS: dict[str, Callable[..., list[str]]] = {
     "loss": check_loss, "reward": check_reward, "advantage estimator": check_advantage_estimator,
     "environment": _check_environment_component, "method": check_method, "generation backend": check_generation_backend,
     "data format": check_data_format, "collator": check_collator, "packing strategy": check_packing_strategy,
-    "judge": check_judge, "command": check_command,
+    "judge": check_judge, "command": check_command, "chat template": check_chat_template,
     "rollout filter": check_rollout_filter,
 }
 
