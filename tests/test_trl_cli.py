@@ -71,8 +71,8 @@ def test_trl_flags_are_typed_and_checked_before_any_model_loads(capsys, tmp_path
     assert "--lora_r: expected int, got 'eight'" in capsys.readouterr().err
     assert main([*base, "--lora_rr", "8"]) == 2
     assert "did you mean --lora_r" in capsys.readouterr().err
-    assert main([*base, "--dataset_streaming"]) == 2
-    assert "dataset.streaming: plait prepares a dataset whole" in capsys.readouterr().err
+    assert main([*base, "--dataset_streaming"]) == 2  # a stream trains for max_steps (tests/test_streaming.py)
+    assert "dataset.streaming: a stream has no length to count epochs by; set max_steps" in capsys.readouterr().err
     assert main([*base, "--load_in_4bit"]) == 2 and "load_in_4bit: quantized loading needs the bitsandbytes" \
         in capsys.readouterr().err
     # a misspelt key of a TRL recipe is named, not ignored as TRL's scripts ignore it

@@ -159,6 +159,22 @@ def is_conversational_example(example: Mapping[str, Any], kind: str) -> bool:
     return not is_tokenised(example, kind) and any(chat.is_conversational(value) for value in texts)
 
 
+def is_stream(dataset: Any) -> bool:
+    """Is ``dataset`` a stream (``datasets.IterableDataset``: no length, read row by row)?"""
+    import datasets
+
+    return isinstance(dataset, datasets.IterableDataset)
+
+
+def columns_of(dataset: Any) -> list[str]:
+    """A dataset's column names; a stream that does not know them yet (``features`` unset) shows its first row's."""
+    if isinstance(dataset, list):
+        return list(dataset[0]) if dataset else []
+    if dataset.column_names is not None:
+        return list(dataset.column_names)
+    return list(next(iter(dataset.take(1)), {}))
+
+
 def _rows(data: Any, limit: int | None) -> tuple[list[str], list[dict]]:
     if isinstance(data, Mapping):
         return list(data), [dict(data)]
@@ -172,6 +188,11 @@ def _rows(data: Any, limit: int | None) -> tuple[list[str], list[dict]]:
                     f"row {index} has columns {sorted(row)} but row 0 has {sorted(columns)}; rows must share one shape"
                 )
         return columns, data if limit is None else data[:limit]
+    if is_stream(data):  # only the head of a stream is read: format detection looks at its first rows
+        head = list(data.take(limit or 100))
+        if not head:
+            raise PlaitError("the dataset stream is empty; give it at least one row")
+        return columns_of(data), head
     if len(data) == 0:
         raise PlaitError("the dataset is empty; give it at least one row")
     columns = list(data.column_names)
@@ -561,12 +582,14 @@ def prepare_dataset(
     fmt: DataFormat = component.obj
     if isinstance(dataset, list):
         dataset = datasets.Dataset.from_list(dataset)
+    columns = columns_of(dataset)
     if fmt.kind not in spec.accepts:
-        raise PlaitError(_wrong_kind(task, spec, component, dataset.column_names, plugins))
+        raise PlaitError(_wrong_kind(task, spec, component, columns, plugins))
 
     if fmt.multimodal:
         vision.require_processor(processing_class, component.name)
-    first = fmt.to_canonical(dataset[0])
+    stream = is_stream(dataset)
+    first = fmt.to_canonical(_rows(dataset, 1)[1][0] if stream else dataset[0])
     conversational = is_conversational_example(first, fmt.kind)
     text_fields = [f for f in KINDS[fmt.kind] if f in TEXT_FIELDS]
     if conversational:
@@ -578,7 +601,7 @@ def prepare_dataset(
         if not is_tokenised(first, fmt.kind):
             chat.warn_if_templated(processing_class, [fmt.to_canonical(row) for row in sample], text_fields)
     if _DECIDING_FORMAT.get():
-        raise FormatDecided(component.name, task, list(dataset.column_names))
+        raise FormatDecided(component.name, task, columns)
 
     encoder = Encoder(processing_class, max_length, truncation_mode, completion_only_loss, assistant_only_loss,
                       chat_template_kwargs)
@@ -630,7 +653,7 @@ def read_text_from(dataset: Any, text_field: str, plugins: Any):
     if isinstance(dataset, list):
         _rows(dataset, None)  # rows of one shape, checked before they become columns
         dataset = datasets.Dataset.from_list(dataset)
-    columns = list(dataset.column_names)
+    columns = columns_of(dataset)
     if text_field in columns:
         return dataset.remove_columns([c for c in columns if c == "text"]).rename_column(text_field, "text")
     missing = f"dataset_text_field={text_field!r} is not a column of the dataset (columns {sorted(columns)})"
@@ -691,10 +714,33 @@ def _apply_row_policies(processed, n_rows: int, max_length: int | None, on_overl
             "truncation (e.g. dataset row %d); they carry no preference signal: fix or drop them",
             len(identical), len(processed), processed["_plait_row"][identical[0]],
         )
-    return processed.remove_columns(
-        ["_plait_row", "_plait_removed", "_plait_overlong", "_plait_untrained", "_plait_detail", "_plait_identical",
-         "_plait_images_cut"]
-    )
+    return processed.remove_columns(list(_BOOKKEEPING))
+
+
+_BOOKKEEPING = ("_plait_row", "_plait_removed", "_plait_overlong", "_plait_untrained", "_plait_detail",
+                "_plait_identical", "_plait_images_cut")
+
+
+def _stream_row_policies(processed, max_length: int | None, on_overlong: str, mode: str):
+    """The row policies of :func:`_apply_row_policies` applied lazily to a stream, one row as it is read:
+    overlong rows (or rows whose cut would split an image) are refused or skipped, rows that keep no trained
+    token are skipped. A stream has no end to count to, so each skipped row is logged at debug level only,
+    and a stream that skips every row ends training early (transformers warns that it ran out of data)."""
+
+    def keep(row: dict) -> bool:
+        cut = row["_plait_overlong"] or row["_plait_images_cut"]
+        if cut and on_overlong == "error":
+            what = f"its prompt ({row['_plait_overlong']} tokens) leaves no room" if row["_plait_overlong"] else (
+                f"its {row['_plait_images_cut']} image tokens would be cut")
+            raise PlaitError(f"dataset row {row['_plait_row']}: {what} under max_length={max_length} ({mode}); raise "
+                             "max_length, or set on_overlong='drop' to skip such rows")
+        if cut or row["_plait_untrained"]:
+            logger.debug("plait: skipped stream row %d (%s)", row["_plait_row"],
+                         row["_plait_untrained"] or f"overlong under max_length={max_length}")
+            return False
+        return True
+
+    return processed.filter(keep).remove_columns(list(_BOOKKEEPING))
 
 
 def _drop_cut_images(processed, max_length: int | None, on_overlong: str):
@@ -761,12 +807,15 @@ def check_bins(bins: list[list[tuple[int, int, int]]], lengths: Sequence[int], m
             raise PlaitError(f"packing strategy {strategy!r} produced an invalid bin {b[:4]}... (size {size} > {max_length}?); report it to its author")
 
 
-def pack_dataset(dataset: Any, strategy: str = "bfd", max_length: int = 1024, plugins: Any = None):
+def pack_dataset(dataset: Any, strategy: str = "bfd", max_length: int = 1024, plugins: Any = None, *,
+                 stream_window: int = 1000):
     """Pack a tokenised language-modelling dataset into rows of at most ``max_length`` tokens.
 
     Output columns: ``input_ids``, ``completion_mask`` (when present) and ``seq_lengths``, the
     lengths of the document pieces in each row (for padding-free attention and position ids).
     Strategies registered with ``padding_free=True`` (bfd) must be collated padding-free.
+    A stream (``IterableDataset``) is packed lazily, ``stream_window`` rows at a time (as TRL packs
+    a stream: each window's rows into bins of their own).
     """
     import datasets
 
@@ -774,10 +823,26 @@ def pack_dataset(dataset: Any, strategy: str = "bfd", max_length: int = 1024, pl
         raise PlaitError(f"max_length={max_length!r} must be a positive integer for packing")
     plugins = plugins or _default_plugins()
     component = plugins.packing_strategies.get(strategy, family="packing")
-    if "input_ids" not in dataset.column_names:
-        raise PlaitError(f"pack_dataset needs a tokenised dataset with 'input_ids'; got columns {dataset.column_names}; run prepare_dataset first")
-    columns = [c for c in PACKED_COLUMNS if c in dataset.column_names]
-    data = {c: dataset[c] for c in columns}
+    given = columns_of(dataset)
+    if "input_ids" not in given:
+        raise PlaitError(f"pack_dataset needs a tokenised dataset with 'input_ids'; got columns {given}; run prepare_dataset first")
+    columns = [c for c in PACKED_COLUMNS if c in given]
+    if is_stream(dataset):
+        return dataset.map(lambda window: _pack(component, window, columns, max_length), batched=True,
+                           batch_size=stream_window, remove_columns=given)
+    packed = _pack(component, {c: dataset[c] for c in columns}, columns, max_length)
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    kept, rows = sum(map(len, packed["input_ids"])), len(packed["input_ids"])
+    logger.info(
+        "plait: %s packed %d sequences (%d tokens) into %d rows of %d: efficiency %.1f%%, %.1f%% of tokens kept",
+        component.name, len(lengths), sum(lengths), rows, max_length,
+        100 * packing_efficiency([kept], rows, max_length), 100 * kept / max(1, sum(lengths)),
+    )
+    return datasets.Dataset.from_dict(packed)
+
+
+def _pack(component, data: Mapping[str, list], columns: list[str], max_length: int) -> dict[str, list]:
+    """The rows of ``data`` (columns of token lists) packed into the bins ``component`` chooses."""
     lengths = [len(ids) for ids in data["input_ids"]]
     bins = component.obj(lengths, max_length)
     check_bins(bins, lengths, max_length, component.name)
@@ -786,10 +851,4 @@ def pack_dataset(dataset: Any, strategy: str = "bfd", max_length: int = 1024, pl
         for c in columns:
             packed[c].append([t for i, start, end in b for t in data[c][i][start:end]])
         packed["seq_lengths"].append([end - start for _, start, end in b])
-    kept = sum(map(len, packed["input_ids"]))
-    logger.info(
-        "plait: %s packed %d sequences (%d tokens) into %d rows of %d: efficiency %.1f%%, %.1f%% of tokens kept",
-        component.name, len(lengths), sum(lengths), len(bins), max_length,
-        100 * packing_efficiency([kept], len(bins), max_length), 100 * kept / max(1, sum(lengths)),
-    )
-    return datasets.Dataset.from_dict(packed)
+    return packed

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from plait import __version__
+from plait.data.prepare import is_stream
 from plait.data.pretrained import remote_code
 from plait.data.tokenizer import load_tokenizer
 from plait.data.vision import holds_images, image_processor_of, limit_pixels
@@ -131,6 +132,7 @@ class PlaitTrainer(Trainer):
             if train_dataset is None:  # as TRL 1.16 refuses it (plait's environments need prompts too)
                 raise PlaitError(f"`train_dataset` is required: pass {type(self).__name__}(..., train_dataset=rows "
                                  "to train on)")
+            self._check_stream(train_dataset, args)
             self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 
             processing_class = load_tokenizer(model, processing_class, chat_template_path=args.chat_template_path,
@@ -233,6 +235,23 @@ class PlaitTrainer(Trainer):
 
     def prepare(self, dataset, processing_class, args, split: str):
         return dataset
+
+    def refuse_on_stream(self, args) -> str | None:
+        """Why this run's settings cannot train on a stream (they need the whole dataset), or None."""
+        return None
+
+    def _check_stream(self, train_dataset, args) -> None:
+        """A stream (``IterableDataset``) has no length, so as in TRL ``max_steps`` says how long to train;
+        its batches are read by each process itself (accelerate shards a stream), not dispatched from one."""
+        if not is_stream(train_dataset):
+            return
+        if args.max_steps is None or args.max_steps <= 0:
+            raise PlaitError(f"max_steps={args.max_steps} but train_dataset is a stream (IterableDataset), which has no "
+                             "length to count epochs by; set max_steps to the number of steps to train")
+        why = self.refuse_on_stream(args)
+        if why:
+            raise PlaitError(f"train_dataset is a stream (IterableDataset) but {why}")
+        args.accelerator_config.dispatch_batches = False  # dispatching concatenates the processes' batches
 
     def wants_padding_free(self, args) -> bool | None:
         """Whether batches put several sequences back to back in one row: True, False, or None for

@@ -32,6 +32,7 @@ Nothing here names a concrete loss, reward, estimator, collator or backend.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import numbers
@@ -43,6 +44,7 @@ from torch import Tensor
 
 from plait.data import vision
 from plait.data.chat import is_conversational, text_of
+from plait.data.prepare import is_stream
 from plait.engine.attention import prompt_shared_layout
 from plait.engine.batches import PolicyTokens, Rollout, gather_ragged, masked_mean
 from plait.engine.layout import check_multiple, pad_token_id
@@ -236,6 +238,20 @@ class Draft:
                 for t, p in zip(self.generations.texts, self.prompts)]
 
 
+def grouped_stream(dataset, group_size: int, prompts_per_batch: int, repeat: int = 1):
+    """A stream's rows in :class:`~plait.online.buffer.GroupSampler`'s order: ``prompts_per_batch`` rows at a
+    time, each ``group_size`` times in a row, the batch ``repeat`` times; a last partial batch is dropped.
+    Lazy (``IterableDataset.map``), so accelerate shards the result per process as it shards any stream."""
+
+    def grouped(batch: dict) -> dict:
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        # copies, as a map-style dataset reads a fresh row per index: a rollout may change its rows in place
+        ordered = [copy.deepcopy(row) for _ in range(repeat) for row in rows for _ in range(group_size)]
+        return {column: [row[column] for row in ordered] for column in batch}
+
+    return dataset.map(grouped, batched=True, batch_size=prompts_per_batch, drop_last_batch=True)
+
+
 class RolloutTrainer(PlaitTrainer):
     """Base of every trainer that learns from its own samples (see the module docstring).
 
@@ -315,8 +331,21 @@ class RolloutTrainer(PlaitTrainer):
         if self.train_dataset is None:
             raise PlaitError(f"{type(self).__name__}.train() needs a train_dataset of prompts")
         # One loader batch is one process's whole rollout; it is re-served for every micro-step.
-        return self._get_dataloader(self.train_dataset, "Training", self.sizes.local, self._get_train_sampler,
-                                    is_training=True)
+        dataset = self.train_dataset
+        if is_stream(dataset):  # a stream takes no sampler: it is reordered as GroupSampler orders indices
+            if self.args.params.shuffle_dataset:  # a buffered shuffle, the stream's stand-in for a permutation
+                dataset = dataset.shuffle(seed=self.args.seed)
+            sizes = self.sizes
+            dataset = grouped_stream(dataset, sizes.num_generations, sizes.prompts,
+                                     repeat=sizes.steps_per_generation * sizes.passes)
+        return self._get_dataloader(dataset, "Training", self.sizes.local, self._get_train_sampler, is_training=True)
+
+    def refuse_on_stream(self, args) -> str | None:
+        if args.dataloader_num_workers:  # workers would each read part of the stream and split its groups
+            logger.warning("dataloader_num_workers=%d with a streamed train_dataset: reading it in one process (0) "
+                           "keeps each prompt's completions in one group", args.dataloader_num_workers)
+            args.dataloader_num_workers = 0
+        return super().refuse_on_stream(args)
 
     def _get_train_sampler(self, train_dataset=None):
         dataset = train_dataset if train_dataset is not None else self.train_dataset

@@ -485,9 +485,12 @@ def check_recipe(config: RunConfig, plugins: Plugins | None = None):
     if config.test_split_size is not None and config.eval_dataset is not None:
         raise PlaitError("test_split_size: the evaluation data is already eval_dataset; remove one of them")
     for field, spec in dataset_specs(config):
-        if spec.streaming:  # data preparation counts, checks and tokenises every row before the first step
-            raise PlaitError(f"{field}.streaming: plait prepares a dataset whole, not as a stream; remove streaming "
-                             "(--dataset_streaming), or take a slice with split: 'train[:10000]'")
+        if spec.streaming and field != "eval_dataset" and args.max_steps <= 0:  # evaluation reads its set whole
+            raise PlaitError(f"{field}.streaming: a stream has no length to count epochs by; set max_steps "
+                             "(--max_steps N), or remove streaming (--dataset_streaming)")
+        if spec.streaming and config.test_split_size is not None:
+            raise PlaitError(f"{field}.streaming: test_split_size={config.test_split_size} splits rows a stream has "
+                             "not read yet; give an eval_dataset (or --dataset_test_split) instead")
         files = spec.data_files
         files = [f for v in files.values() for f in (v if isinstance(v, list) else [v])] if isinstance(files, dict) \
             else files if isinstance(files, list) else [files]
@@ -597,7 +600,7 @@ def build_trainer(config: RunConfig, plugins: Plugins | None = None):
     splits = load_mixture(mixture, any(spec.streaming for spec in mixture), config.test_split_size)
     train, evaluation = splits["train"], splits.get("test")
     if config.eval_dataset is not None:
-        evaluation = load_mixture([config.eval_dataset], config.eval_dataset.streaming)["train"]
+        evaluation = load_mixture([config.eval_dataset])["train"]  # evaluated whole, as plait evaluates any set
     trainer = method.trainer(model=config.model, args=args, train_dataset=train, eval_dataset=evaluation, **kwargs)
     trainer.card_datasets = tuple(dataset_label(spec) for field, spec in dataset_specs(config) if field != "eval_dataset")
     return trainer

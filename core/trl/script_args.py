@@ -203,6 +203,11 @@ def load_mixture(datasets: list, streaming: bool = False, test_split_size: float
         size = min(len(part) / share for part, share in zip(loaded, shares) if share > 0)
         loaded = [part.select(range(round(share * size))) for part, share in zip(loaded, shares)]
     combined = hf.concatenate_datasets(loaded)
+    if streaming:  # read lazily as training asks for rows
+        if test_split_size is not None:
+            raise PlaitError(f"test_split_size={test_split_size} splits rows a stream has not read yet; give a test "
+                             "split of its own (dataset_test_split), or remove streaming")
+        return hf.IterableDatasetDict({"train": combined})
     if test_split_size is not None:
         return combined.train_test_split(test_size=test_split_size)
     return hf.DatasetDict({"train": combined})

@@ -51,6 +51,12 @@ class ReferenceTrainer(PlaitTrainer):
         if self.args.params.sync_ref_model:
             self.add_callback(SyncReference(self.reference))
 
+    def refuse_on_stream(self, args) -> str | None:
+        if args.params.precompute_ref_log_probs:
+            return ("precompute_ref_log_probs=True scores every row before training; set it to False (the reference "
+                    "then scores each batch as it is read)")
+        return None
+
     def wants_padding_free(self, args) -> bool | None:
         return args.params.padding_free  # DPO's and KTO's field
 

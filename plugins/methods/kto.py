@@ -24,7 +24,7 @@ import torch
 from datasets import Dataset
 
 from plait import Method, hookimpl
-from plait.data.prepare import prepare_dataset
+from plait.data.prepare import is_stream, prepare_dataset
 from plait.engine.batches import UnpairedLogps
 from plait.engine.config import method_config
 from plait.engine.layout import pad_multiple_field, row_token_logprobs
@@ -181,6 +181,8 @@ class KTOTrainer(ReferenceTrainer):
                 untruncated = prepared(None)
             finally:
                 logger.setLevel(level)
+        if is_stream(dataset):
+            return self.with_streamed_partners(dataset, args, split)
         if split == "train":
             check_class_balance(dataset["label"], p.desirable_weight, p.undesirable_weight)
         dataset = self.with_mismatched_completions(dataset, args, split, untruncated)
@@ -210,6 +212,24 @@ class KTOTrainer(ReferenceTrainer):
         if p.max_length is not None:
             borrowed = [_fit(c, p.max_length - len(prompt), p.truncation_mode) for prompt, c in zip(prompts, borrowed)]
         return dataset.add_column("kl_completion_ids", borrowed)
+
+    @staticmethod
+    def with_streamed_partners(dataset, args, split: str):
+        """A stream's KL completions, fixed lazily by :func:`mismatched_partners` within each block of a batch's
+        rows as they are read (the blocks the whole-dataset path rotates in; a block no rotation clears borrows
+        from within itself only). Partners are cut from their truncated completions (the stream is tokenised
+        once), and the class balance is not checked (the stream has no end to count to)."""
+        p = args.params
+        size = args.per_device_train_batch_size if split == "train" else args.per_device_eval_batch_size
+
+        def partners(block: dict) -> dict:
+            borrowed = [block["completion_ids"][j] for j in mismatched_partners(block["prompt_ids"], size)]
+            if p.max_length is not None:
+                borrowed = [_fit(c, p.max_length - len(prompt), p.truncation_mode)
+                            for prompt, c in zip(block["prompt_ids"], borrowed)]
+            return {**block, "kl_completion_ids": borrowed}
+
+        return dataset.map(partners, batched=True, batch_size=size)
 
     def wants_prefix_sharing(self, args) -> bool | None:
         return args.params.prefix_sharing
