@@ -117,6 +117,15 @@ def test_the_training_template_renders_the_last_turn_and_the_generation_prompt_a
                 == tokenizer.apply_chat_template(messages, add_generation_prompt=prompt))
 
 
+def test_a_multi_turn_prompt_and_its_completion_render_with_the_training_template(tokenizer):
+    # The prompt ends after a later query, so Qwen3's own template would drop the first turn's reasoning from the
+    # prompt but not from the masks' rendering: both render with the training template, as TRL's chat_template= does.
+    rows = [{"prompt": CONVERSATION[:3], "completion": CONVERSATION[3:]}]
+    row = prepare_dataset(rows, tokenizer, "language_modeling", assistant_only_loss=True)[0]
+    assert trained_runs(tokenizer, row["input_ids"], row["completion_mask"]) == ASSISTANT_OUTPUTS[1:]
+    assert ASSISTANT_OUTPUTS[0] in tokenizer.decode(row["input_ids"])
+
+
 def sft_args(tmp_path, **overrides):
     values = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=2, learning_rate=1e-2,
                   save_strategy="no", report_to="none", seed=0, max_length=128, assistant_only_loss=True,

@@ -179,6 +179,14 @@ def training_template(processing_class: Any, plugins: Any = None) -> str | None:
     return None
 
 
+def with_training_template(processing_class: Any,
+                           template_kwargs: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """``template_kwargs`` rendering with the :func:`training_template` that applies, if one does (as TRL's
+    ``chat_template=``), so a prompt, its completion and their assistant masks all render with it."""
+    training = training_template(processing_class)
+    return template_kwargs if training is None else {**(template_kwargs or {}), "chat_template": training}
+
+
 def render(
     processing_class: Any,
     messages: Sequence[Mapping[str, Any]],
@@ -328,10 +336,8 @@ def encode_with_assistant_mask(processing_class: Any, messages: list[dict], *, t
     With ``images`` the ids are the processor's expansion and image tokens are masked out.
     """
     tokenizer = tokenizer_of(processing_class)
-    training = training_template(tokenizer)
-    if training is not None:  # rendered with it instead of the tokenizer's own, as TRL's chat_template= does
-        template_kwargs = {**(template_kwargs or {}), "chat_template": training}
-    if training is not None or has_generation_markers(tokenizer):
+    template_kwargs = with_training_template(tokenizer, template_kwargs)
+    if "chat_template" in (template_kwargs or {}) or has_generation_markers(tokenizer):
         out = tokenizer.apply_chat_template(
             messages, tools=tools or None, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
             **(template_kwargs or {}),

@@ -305,7 +305,10 @@ class Encoder:
                 raise PlaitError(f"column 'tools' holds {tools!r:.60}, which is not JSON ({err.msg}); give a list of "
                                  "JSON schemas, or their JSON text") from None
         own = {k: v for k, v in (row.get("chat_template_kwargs") or {}).items() if v is not None}  # None: Arrow's fill
-        return {"tools": tools, "template_kwargs": {**(self.chat_template_kwargs or {}), **own} or None}
+        template_kwargs = {**(self.chat_template_kwargs or {}), **own} or None
+        if self.assistant_only_loss:  # the masks' training template (if one applies) renders prompts too
+            template_kwargs = chat.with_training_template(self.processing_class, template_kwargs)
+        return {"tools": tools, "template_kwargs": template_kwargs}
 
     def pair(self, row: Mapping[str, Any], completion: Any) -> tuple[list[int], list[int]]:
         """Token ids of the row's prompt and of ``completion`` after it (pre-tokenised rows: as given)."""
