@@ -21,11 +21,9 @@ GPU), in flat buckets of one dtype: never tensors in an HTTP body.
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import os
 import secrets
 import socket
-import stat
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -36,6 +34,7 @@ from plait.errors import PlaitError
 from plait.online.generation import SamplingParams
 from plait.online.weights import full_shape, materialised
 from plait.paths import cache_dir
+from plait.serving import is_loopback, read_token, write_token  # noqa: F401 - the servers' token helpers
 
 WORKER_EXTENSION = "plait.plugins.generation._vllm.WorkerExtension"
 BUCKET_BYTES = 512 * 2**20  # weights travel in flat buckets of at most this size
@@ -209,15 +208,6 @@ def receive_buckets(group, root: int, layout: list[dict], device) -> Iterator[tu
 # ---------------------------------------------------------------------------------------------
 
 
-def is_loopback(host: str) -> bool:
-    """Whether every address ``host`` names is this machine's loopback."""
-    try:
-        return all(ipaddress.ip_address(info[4][0]).is_loopback
-                   for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP))
-    except (OSError, ValueError):
-        return False
-
-
 def token_path(port: int) -> Path:
     """Where ``plait vllm-serve --port PORT`` writes the token it generates, and where clients of
     a loopback server look for it: ``$XDG_RUNTIME_DIR/plait/`` (per user, emptied at logout), else
@@ -226,31 +216,6 @@ def token_path(port: int) -> Path:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     folder = Path(runtime) / "plait" if runtime else cache_dir()
     return folder / f"vllm-serve-{socket.gethostname()}-{port}.token"
-
-
-def write_token(path: Path, token: str) -> None:
-    """Write ``token`` to ``path`` for this user alone (file 0600, a folder made here 0700); a
-    reader sees the old file or the new one, never half of it."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    staged = path.with_name(f".{path.name}.{os.getpid()}")
-    with os.fdopen(os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w") as out:
-        out.write(token + "\n")
-    os.replace(staged, path)
-
-
-def read_token(path: str | os.PathLike) -> str:
-    """The token in ``path``, which must be this user's and closed to others (as ssh treats a key)."""
-    path = Path(path).expanduser()
-    try:
-        info, text = path.stat(), path.read_text().strip()
-    except OSError as err:
-        raise PlaitError(f"cannot read the vLLM server token file {path} ({err.strerror})") from None
-    if info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise PlaitError(f"the vLLM server token file {path} is open to other users (mode "
-                         f"{stat.filemode(info.st_mode)}, owner uid {info.st_uid}); make it yours with chmod 600")
-    if not text:
-        raise PlaitError(f"the vLLM server token file {path} is empty")
-    return text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,28 +38,23 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hmac
-import io
-import json
 import math
 import multiprocessing
 import os
 import re
 import secrets
 import signal
-import socket
 import sys
 import threading
 import time
 import traceback
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from plait import hookimpl
 from plait.cli import Command
 from plait.errors import PlaitError
+from plait.serving import HEADER_TIMEOUT, MAX_CONNECTIONS, BoundedServer, JsonHandler, add_limit_arguments, check_limits
 
 from ._vllm import TOKEN_ENV, WEIGHT_DTYPES, is_loopback, read_token, token_path, write_token
 
@@ -68,13 +63,8 @@ if TYPE_CHECKING:
 
 MAX_BODY_BYTES = 64 * 2**20  # generate requests: millions of prompt token ids; weights never travel in a body
 BODY_TIMEOUT = 60.0  # seconds for a whole body to arrive: 64 MiB at ~1 MB/s
-HEADER_TIMEOUT = 10.0  # seconds for the request line and all headers together: a few hundred bytes
-MAX_CONNECTIONS = 32  # open at once; one trainer uses a few (generate, a weight push, health)
 MAX_JOIN_TIMEOUT = 3600.0  # the longest wait for a trainer to join the weight-sync group a client may ask for
 SESSION_PREFIX = re.compile(r"plait-weights-[0-9a-f]{32}")  # what _vllm.session_prefix makes
-# After refusing a request whose body was not read, the client may still be sending: discard at
-# most this much, this long, so it can read the refusal instead of a reset (RFC 9112 section 9.6).
-LINGER_BYTES, LINGER_SECONDS = 2**20, 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,14 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{TOKEN_ENV}, else a fresh token in a file of yours that local clients find")
     parser.add_argument("--token", default=None,
                         help="the token itself: visible to every user of this machine in `ps`; prefer --token-file")
-    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
-                        help=f"connections served at once; more are answered 503 (default {MAX_CONNECTIONS})")
-    parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT,
-                        help="seconds the request line and headers may take to arrive, all together (default 10)")
-    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
-                        help="largest request body accepted; larger ones get 413 before they are read (default 64 MiB)")
-    parser.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT,
-                        help="seconds a request body may take to arrive in full; slower clients get 408 (default 60)")
+    add_limit_arguments(parser, max_body_bytes=MAX_BODY_BYTES, body_timeout=BODY_TIMEOUT)
 
 
 def check_bind(host: str, token: str | None) -> None:
@@ -138,12 +121,10 @@ def server_token(args: argparse.Namespace) -> tuple[str, Path | None]:
 
 def run(args: argparse.Namespace, plugins) -> int:
     check_bind(args.host, args.token or args.token_file or os.environ.get(TOKEN_ENV))
-    for flag in ("tensor_parallel_size", "data_parallel_size", "port", "max_body_bytes", "max_connections"):
+    for flag in ("tensor_parallel_size", "data_parallel_size"):
         if getattr(args, flag) < 1:
             raise PlaitError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be at least 1")
-    for flag in ("header_timeout", "body_timeout"):
-        if not 0 < getattr(args, flag) < math.inf:
-            raise PlaitError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be a positive number of seconds")
+    check_limits(args)
     token, token_file = server_token(args)
     try:  # bind first: a busy port fails now, before its server's token file is overwritten
         httpd = GenerationServer((args.host, args.port), model=args.model, revision=args.revision, token=token,
@@ -347,198 +328,32 @@ class EnginePool:
 # ---------------------------------------------------------------------------------------------
 
 
-class GenerationServer(ThreadingHTTPServer):
+class GenerationServer(BoundedServer):
     """The HTTP front: ``pool`` (an :class:`EnginePool`) answers the routes; ``token``,
     ``max_connections``, ``header_timeout``, ``max_body_bytes`` and ``body_timeout`` decide which
-    requests it gets to see, and ``model`` (its config) which weight layouts it accepts."""
-
-    daemon_threads = True
-    busy = json.dumps({"error": "the server is at its connection limit (plait vllm-serve --max-connections); "
-                                "retry"}).encode()
-    busy_reply = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                  b"Content-Length: %d\r\n\r\n%s" % (len(busy), busy))
+    requests it gets to see (:class:`plait.serving.BoundedServer`), and ``model`` (its config) which
+    weight layouts it accepts."""
 
     def __init__(self, address: tuple[str, int], pool: EnginePool | None = None, *, token: str, model: str = "",
                  revision: str | None = None, max_connections: int = MAX_CONNECTIONS,
                  header_timeout: float = HEADER_TIMEOUT, max_body_bytes: int = MAX_BODY_BYTES,
                  body_timeout: float = BODY_TIMEOUT):
-        super().__init__(address, Handler)
-        self.pool, self.model, self.revision, self.token = pool, model, revision, token
-        self.slots = threading.BoundedSemaphore(max_connections)
-        self.header_timeout, self.max_body_bytes, self.body_timeout = header_timeout, max_body_bytes, body_timeout
-
-    def process_request(self, request, client_address) -> None:
-        """Serve the connection in a thread of its own if a slot is free, else answer 503 and close."""
-        if not self.slots.acquire(blocking=False):
-            try:  # a fresh socket's send buffer takes these few bytes at once: nothing here can block
-                request.setblocking(False)
-                request.send(self.busy_reply)
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+        super().__init__(address, Handler, who="plait vllm-serve", token=token, max_connections=max_connections,
+                         header_timeout=header_timeout, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
+        self.pool, self.model, self.revision = pool, model, revision
 
     @functools.cached_property
     def parameters(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return model_parameters(self.model, self.revision)
 
 
-class DeadlineReader(io.RawIOBase):
-    """A socket's receiving side where every read shares one ``deadline`` (time.monotonic()),
-    so a client that trickles a byte at a time cannot outlast it: a plain socket timeout starts
-    afresh with every byte."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock, self.deadline = sock, math.inf
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the deadline passed")
-        self.sock.settimeout(None if left == math.inf else left)
-        return self.sock.recv_into(buffer)
-
-
-class Handler(BaseHTTPRequestHandler):
+class Handler(JsonHandler):
     server_version = "plait-vllm-serve"
-    protocol_version = "HTTP/1.1"
     routes = {("GET", "/health"): "health", ("POST", "/generate"): "generate",
               ("POST", "/init_communicator"): "init_communicator", ("POST", "/update_weights"): "update_weights",
               ("POST", "/reset_prefix_cache"): "reset_prefix_cache", ("POST", "/close"): "close_communicator"}
-
-    def setup(self) -> None:
-        super().setup()
-        self.rfile.close()  # every read goes through one deadline instead
-        self.reader = DeadlineReader(self.connection)
-        self.rfile = io.BufferedReader(self.reader)
-
-    def handle_one_request(self) -> None:
-        """One request, whose request line and headers must all arrive within ``header_timeout``
-        (BaseHTTPRequestHandler drops the connection when they do not)."""
-        self.reader.deadline = time.monotonic() + self.server.header_timeout
-        super().handle_one_request()
-
-    def log_message(self, format, *args) -> None:  # one line per request on stderr, without the host
-        sys.stderr.write(f"plait vllm-serve: {format % args}\n")
-
-    def do_GET(self) -> None:
-        self._dispatch()
-
-    do_POST = do_GET
-
-    def handle_expect_100(self) -> bool:
-        """``Expect: 100-continue``: a refused request is answered before the client sends its body."""
-        refusal = self._refusal()
-        if refusal is not None:
-            self._refuse(*refusal)
-            return False
-        return super().handle_expect_100()
-
-    def _dispatch(self) -> None:
-        refusal = self._refusal()
-        if refusal is not None:
-            return self._refuse(*refusal)
-        try:
-            raw = self._read_body(self._content_length())
-        except TimeoutError:
-            return self._refuse(HTTPStatus.REQUEST_TIMEOUT, f"the request body did not arrive within "
-                                f"{self.server.body_timeout:g} s (plait vllm-serve --body-timeout)")
-        except ConnectionError:
-            self.close_connection = True  # the client went away mid-body: no one to answer
-            return
-        try:
-            status, payload = HTTPStatus.OK, self._route()(json.loads(raw) if raw else {})
-        except (PlaitError, ValueError, TypeError, KeyError) as err:
-            status, payload = HTTPStatus.BAD_REQUEST, {"error": f"{type(err).__name__}: {err}"}
-        except Exception as err:  # noqa: BLE001 - the client sees what went wrong
-            traceback.print_exc()
-            status, payload = HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"{type(err).__name__}: {err}"}
-        self._reply(status, payload)
-
-    def _route(self):
-        name = self.routes.get((self.command, self.path.rstrip("/") or "/"))
-        return getattr(self, name) if name else None
-
-    def _refusal(self) -> tuple[HTTPStatus, str] | None:
-        """Why this request is refused, judged from its headers alone (None: read its body)."""
-        if not self._authorised():
-            return HTTPStatus.UNAUTHORIZED, ("missing or wrong token: send the header 'Authorization: Bearer "
-                                             f"<token>' (the server's --token or {TOKEN_ENV})")
-        if self._route() is None:
-            return HTTPStatus.NOT_FOUND, f"no route {self.command} {self.path}"
-        if "Transfer-Encoding" in self.headers:
-            return HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length header, not Transfer-Encoding"
-        length = self._content_length()
-        if length is None:
-            return HTTPStatus.BAD_REQUEST, f"Content-Length {self.headers['Content-Length']!r} is not a byte count"
-        if length > self.server.max_body_bytes:
-            return HTTPStatus.REQUEST_ENTITY_TOO_LARGE, (
-                f"the body is {length} bytes, over this server's limit of {self.server.max_body_bytes}; "
-                "send fewer prompts per request or raise plait vllm-serve --max-body-bytes")
-        return None
-
-    def _content_length(self) -> int | None:
-        values = self.headers.get_all("Content-Length") or ["0"]
-        text = values[0].strip()
-        return int(text) if len(values) == 1 and text.isascii() and text.isdigit() else None
-
-    def _read_body(self, length: int) -> bytes:
-        """The body, which must arrive in full within ``body_timeout`` seconds of the headers' end."""
-        self.reader.deadline = time.monotonic() + self.server.body_timeout
-        body = self.rfile.read(length)
-        if len(body) < length:
-            raise ConnectionResetError
-        return body
-
-    def _refuse(self, status: HTTPStatus, message: str) -> None:
-        """Answer and close without taking in the body; first discard a little of what the client
-        may still be sending, so it reads this answer rather than a connection reset."""
-        self.close_connection = True
-        self._reply(status, {"error": message})
-        try:
-            self.connection.shutdown(socket.SHUT_WR)
-            deadline, drained = time.monotonic() + LINGER_SECONDS, 0
-            while drained < LINGER_BYTES and (left := deadline - time.monotonic()) > 0:
-                self.connection.settimeout(left)
-                chunk = self.connection.recv(2**16)
-                if not chunk:
-                    break
-                drained += len(chunk)
-        except OSError:
-            pass
-
-    def _authorised(self) -> bool:
-        token = self.server.token
-        sent = self.headers.get("Authorization", "")
-        return bool(token) and hmac.compare_digest(sent.encode(), f"Bearer {token}".encode())
-
-    def _reply(self, status: HTTPStatus, payload: dict) -> None:
-        data = json.dumps(payload).encode()
-        try:
-            self.connection.settimeout(self.server.body_timeout)  # a client that does not read its answer is dropped too
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data)
-        except OSError:
-            self.close_connection = True  # the client stopped waiting (e.g. a health poll while engines started)
+    token_hint = f"the server's --token or {TOKEN_ENV}"
+    too_large_hint = "send fewer prompts per request"
 
     # -- routes -------------------------------------------------------------------------------
     @property
