@@ -38,7 +38,7 @@ KIND_FOLDERS = {
     "plugins/judges": {"register_judges"},  # online DPO's judges (reward_model, rules, pairwise)
     "plugins/environments": {"register_environments"},  # multi-turn environments, tools, tool-call formats
     "plugins/rollout_filters": {"register_rollout_filters"},  # dynamic sampling: zero_variance, accuracy_band, ...
-    "plugins/chat_templates": {"register_chat_templates"},  # training chat templates by model family (qwen3, ...)  # dynamic sampling: zero_variance, accuracy_band, ...
+    "plugins/chat_templates": {"register_chat_templates"},  # training chat templates by model family (qwen3, ...)
     "losses": {"register_losses"},
     "rewards": {"register_rewards"},
 }
