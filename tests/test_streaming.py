@@ -35,8 +35,9 @@ ROWS = {
     "dpo": [{"prompt": w, "chosen": " runs to the sea.", "rejected": " no"} for w in WORDS],
     "kto": [{"prompt": w, "completion": " runs." if i % 2 else " x", "label": bool(i % 2)} for i, w in enumerate(WORDS)],
 }
+ROWS["reward"] = ROWS["dpo"]
 TRAINERS = {"sft": (plait.SFTTrainer, plait.SFTConfig), "dpo": (plait.DPOTrainer, plait.DPOConfig),
-            "kto": (plait.KTOTrainer, plait.KTOConfig)}
+            "kto": (plait.KTOTrainer, plait.KTOConfig), "reward": (plait.RewardTrainer, plait.RewardConfig)}
 
 
 def endless(rows: list[dict]) -> IterableDataset:
@@ -138,6 +139,13 @@ def test_online_methods_read_a_stream_as_they_read_the_whole_dataset(tmp_path, t
                         for h in trainer.state.log_history]
     assert seen[True] == seen[False] and seen[True][0] == [WORDS[0]] * 2 + [WORDS[1]] * 2
     assert runs[True] == runs[False]
+
+
+def test_async_grpo_refuses_a_stream_it_cannot_read_ahead(tmp_path):
+    args = plait.AsyncGRPOConfig(output_dir=str(tmp_path), max_steps=2, num_generations=2, per_device_train_batch_size=2,
+                                 **QUIET)
+    with pytest.raises(PlaitError, match="AsyncGRPOTrainer's worker samples the prompts of batches ahead by their index"):
+        plait.AsyncGRPOTrainer(MISSING, args=args, reward_funcs=low_tokens, train_dataset=endless(ROWS["sft"]))
 
 
 class StopAt(TrainerCallback):

@@ -54,9 +54,9 @@ from transformers import TrainerCallback
 
 from plait import Method, PlaitError, hookimpl
 from plait.engine.config import method_config
-from plait.online.generation import Generations, SamplingParams
 from plait.online.buffer import completion_columns, pack, whole_groups
 from plait.online.chassis import Draft, prompt_ids_of
+from plait.online.generation import Generations, SamplingParams
 from plait.online.weights import full_tensor, policy_parameters
 from plait.params import int_at_least
 
@@ -480,6 +480,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self.worker = worker
         worker.push(self.model_wrapped, self.state.global_step, p.weight_sync_timeout)
         return worker
+
+    def refuse_on_stream(self, args) -> str | None:
+        return ("AsyncGRPOTrainer's worker samples the prompts of batches ahead by their index, which a stream has "
+                "not; load the dataset whole, or train with GRPOTrainer")
 
     @property
     def in_flight(self) -> int:

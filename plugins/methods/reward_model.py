@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from plait import Method, PlaitError, hookimpl
-from plait.data.prepare import prepare_dataset
+from plait.data.prepare import is_stream, prepare_dataset
 from plait.engine.batches import PairwiseRewards
 from plait.engine.config import method_config
 from plait.engine.layout import contiguous_index, pad_multiple_field, pad_token_id
@@ -80,6 +80,8 @@ def drop_longer_pairs(dataset, max_length: int | None, split: str):
     def fits(row) -> bool:
         return len(row["prompt_ids"]) + max(len(row["chosen_ids"]), len(row["rejected_ids"])) <= max_length
 
+    if is_stream(dataset):  # dropped lazily as they are read; a stream has no count to report
+        return dataset.filter(fits)
     kept = dataset.filter(fits, desc=f"plait: dropping {split} pairs longer than max_length={max_length}")
     if len(kept) == 0:
         raise PlaitError(f"every one of the {len(dataset)} {split} pairs is longer than max_length={max_length} "
