@@ -8,11 +8,15 @@ reference through vLLM's in-place reload, and the prefix cache is reset. Complet
 with vLLM's per-token log-probs, which the trainer compares with its own to correct for the
 engine's numerics (``vllm_importance_sampling_*``).
 
+A plain LoRA policy (``vllm_lora_sync``, on by default) instead reaches an engine built from the
+frozen base weights with vLLM's LoRA support: each push saves only the adapter, as a new version
+that the engine loads and generation then names (docs/vllm.md).
+
 Its options (:class:`VLLMColocateParams`) are fields of every online method's Config as ``vllm_<option>``:
 TRL's ``vllm_gpu_memory_utilization``, ``vllm_tensor_parallel_size``, ``vllm_max_model_length``,
 ``vllm_enable_sleep_mode``, ``vllm_model_impl``, and plait's ``vllm_dtype``, ``vllm_kv_cache_memory_bytes``,
-``vllm_enable_prefix_caching``, ``vllm_engine_kwargs``, ``vllm_seed``. The class is published under the
-``plait.generation_options`` entry-point group for that (:func:`plait.engine.config.contributed_fields`).
+``vllm_enable_prefix_caching``, ``vllm_engine_kwargs``, ``vllm_seed``, ``vllm_lora_sync``. The class is
+published under the ``plait.generation_options`` entry-point group for that (:func:`plait.engine.config.contributed_fields`).
 ``vllm_structured_outputs_regex`` reaches each request's sampling options.
 """
 
@@ -76,8 +80,7 @@ class VLLMColocateParams:
         "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
         "seed": "the engine's sampling seed (null: the run's seed)",
         "engine_kwargs": "more vllm.LLM keyword arguments",
-        "lora_sync": "a LoRA policy reaches the engine as its adapter alone, served by vLLM's LoRA support "
-                     "(False: adapters merged and every weight pushed)",
+        "lora_sync": "sync a LoRA policy as its adapter alone, served by vLLM's LoRA support (False: merge, push all)",
     }
     gpu_memory_utilization: float = attrs.field(default=0.3, validator=in_range(0.0, 1.0, low_open=True))
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive_int)
