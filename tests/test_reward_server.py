@@ -170,3 +170,42 @@ def test_plait_grpo_trains_through_the_remote_reward(server, tmp_path):
     logged = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     rewards = [row["rewards/remote/mean"] for row in logged if "rewards/remote/mean" in row]
     assert len(rewards) == 2 and all(math.isfinite(r) and r != 0 for r in rewards)
+
+
+def test_concurrent_requests_are_coalesced_and_a_failing_one_fails_alone():
+    """In-process (no model): 16 concurrent requests in a 0.1 s window are scored in fewer, bounded
+    calls, each request gets its own rows back, and a request the reward raises on is a 500 for it alone."""
+    import threading
+
+    from plait.plugins.commands.reward_serve import RewardServer
+
+    calls = []
+
+    def length(prompts, completions, **kwargs):
+        if "boom" in completions:
+            raise ValueError("boom")
+        calls.append(len(completions))
+        time.sleep(0.05)
+        return [float(len(c)) for c in completions]
+
+    server = RewardServer(("127.0.0.1", 0), {"length": length}, max_batch_size=24, batch_window=0.1, token="t",
+                          max_connections=32, header_timeout=10, max_body_bytes=2**20, body_timeout=10)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    def post(i):
+        completions = ["boom"] * 4 if i == 5 else ["x" * i] * 4
+        try:
+            return call(url, "/score", {"prompts": ["p"] * 4, "completions": completions}, "t")["scores"]
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(post, range(16)))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert answers[5] == 500
+    assert all(answers[i] == [float(i)] * 4 for i in range(16) if i != 5)
+    assert sum(calls) == 60 and len(calls) < 15 and max(calls) <= 24, calls

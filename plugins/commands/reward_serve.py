@@ -28,6 +28,7 @@ import secrets
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import attrs
@@ -111,8 +112,6 @@ class Batcher:
         return box["scores"]
 
     def _serve(self) -> None:
-        import time
-
         held = None
         while True:
             first = held or self.requests.get()
