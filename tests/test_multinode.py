@@ -15,6 +15,9 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
+from plait.errors import PlaitError
+from plait.recipes.launch import launch_command
+from plait.recipes.run import launch_settings
 from plait.testing.tiny_model import tiny_model_path
 
 RECIPES = Path(__file__).resolve().parents[1] / "examples" / "recipes"
@@ -52,6 +55,35 @@ def power_off(process: subprocess.Popen) -> None:
             each.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+def test_machines_reach_the_launchers_and_bad_combinations_stop_before_them(tmp_path):
+    two = {"num_machines": 2, "main_process_ip": "10.0.0.1"}
+    cpu, _ = launch_command(["sft"], 4, "cpu_ddp", gpus=0, machine_rank=1, **two)
+    assert cpu[1:7] == ["-m", "torch.distributed.run", "--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.1",
+                        "--master_port=29500"] and "--nproc_per_node=2" in cpu  # 4 processes of two machines
+    gpu, _ = launch_command(["sft"], None, "multi_gpu", gpus=8, machine_rank=1, main_process_port=6000, **two)
+    assert gpu[gpu.index("--num_processes"):gpu.index("-m", 2)] == [  # one per GPU of each machine
+        "--num_processes", "16", "--num_machines", "2", "--machine_rank", "1", "--main_process_ip", "10.0.0.1",
+        "--main_process_port", "6000"]
+    (tmp_path / "cluster.yaml").write_text("distributed_type: MULTI_GPU\nnum_machines: 2\nnum_processes: 16\n"
+                                           "machine_rank: 0\nmain_process_ip: 10.0.0.1\n")
+    from_file, _ = launch_command(["sft"], None, str(tmp_path / "cluster.yaml"), gpus=8, machine_rank=1)
+    assert from_file[from_file.index("--num_processes"):][:6] == gpu[gpu.index("--num_processes"):][:6]
+    (tmp_path / "recipe.yaml").write_text("method: sft\nnum_machines: 2\nmachine_rank: 1\n")
+    assert launch_settings(tmp_path / "recipe.yaml") == {"num_machines": 2, "machine_rank": 1}
+
+    refused = {"--machine_rank 2: must be from 0 to --num_machines - 1 (1)": {"machine_rank": 2, **two},
+               "--num_machines 2: needs --main_process_ip": {"num_machines": 2},
+               "--num_processes 3: counts the processes of all 2 machines": {"num_processes": 3, **two},
+               "--main_process_port 0: must be a TCP port": {"main_process_port": 0, **two},
+               "--num_machines 0: must be 1 or more": {"num_machines": 0}}
+    for message, settings in refused.items():
+        with pytest.raises(PlaitError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            launch_command(["sft"], accelerate_config="cpu_ddp", gpus=0, **settings)
+    (tmp_path / "bad.yaml").write_text("method: sft\nmachine_rank: one\n")
+    with pytest.raises(PlaitError, match="machine_rank"):
+        launch_settings(tmp_path / "bad.yaml")
 
 
 @pytest.fixture
