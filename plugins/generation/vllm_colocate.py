@@ -16,7 +16,8 @@ Its options (:class:`VLLMColocateParams`) are fields of every online method's Co
 TRL's ``vllm_gpu_memory_utilization``, ``vllm_tensor_parallel_size``, ``vllm_max_model_length``,
 ``vllm_enable_sleep_mode``, ``vllm_model_impl``, and plait's ``vllm_dtype``, ``vllm_kv_cache_memory_bytes``,
 ``vllm_enable_prefix_caching``, ``vllm_engine_kwargs``, ``vllm_seed``, ``vllm_lora_sync``. The class is
-published under the ``plait.generation_options`` entry-point group for that (:func:`plait.engine.config.contributed_fields`).
+published under the ``plait.generation_options`` entry-point group for that
+(:func:`plait.engine.config.contributed_fields`).
 ``vllm_structured_outputs_regex`` reaches each request's sampling options.
 """
 
