@@ -163,16 +163,29 @@ def test_num_generations_eval_evaluates_with_its_own_group_size(tmp_path, peft_r
 
 
 def test_a_batch_no_reward_scores_warns_and_trains_on_as_in_trl(tmp_path, caplog):
+    calls = []
+
+    def scores_from_the_third_batch(completions, **kwargs):
+        calls.append(len(completions))
+        return [None if len(calls) < 3 else float(len(c)) for c in completions]
+
     args = plait.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
                             max_completion_length=4, max_steps=3, learning_rate=1e-2, **QUIET)
-    t = plait.GRPOTrainer(str(tiny_model_path()), reward_funcs=never_scores, args=args, train_dataset=PROMPTS)
+    t = plait.GRPOTrainer(str(tiny_model_path()), reward_funcs=scores_from_the_third_batch, args=args,
+                          train_dataset=PROMPTS)
     with caplog.at_level(logging.WARNING, logger="plait"):
         t.train()
-    assert t.state.global_step == 3  # three unscored batches in a row: the run goes on
+    assert t.state.global_step == 3  # two unscored batches in a row: the run goes on
     warned = [r.getMessage() for r in caplog.records if "no completion of this generation batch got a score" in
               r.getMessage()]
-    assert len(warned) == 3 and "never_scores" in warned[0]
+    assert len(warned) == 2 and "scores_from_the_third_batch" in warned[0]
     assert all(torch.isfinite(p).all() for p in t.model.parameters())
+    # a run none of whose batches got a score learned nothing: it goes on to its end, then fails instead of
+    # returning as if it had trained (the command exits non-zero and saves no model)
+    t = plait.GRPOTrainer(str(tiny_model_path()), reward_funcs=never_scores, args=args, train_dataset=PROMPTS)
+    with pytest.raises(PlaitError, match="no completion got a score in any of this run's 3 generation batches"):
+        t.train()
+    assert t.state.global_step == 3
     strict = plait.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
                               max_completion_length=4, max_steps=3, max_unscored_batches=2, **QUIET)
     t = plait.GRPOTrainer(str(tiny_model_path()), reward_funcs=never_scores, args=strict, train_dataset=PROMPTS)

@@ -264,6 +264,15 @@ class RolloutTrainer(PlaitTrainer):
     keeps_eval_dataset_as_given = True  # trainer.eval_dataset is the user's prompts, as TRL's online trainers keep it
     prompt_collator: ClassVar[str]  # e.g. "collator.prompt_only", named by the method's module
 
+    def train(self, *args, **kwargs):
+        """transformers' training loop; a run whose rewards never scored a completion then fails (see
+        :meth:`plait.online.scoring.UnscoredBatches.finish`) instead of saving a model that learned nothing."""
+        result = super().train(*args, **kwargs)
+        unscored = vars(self).get("unscored")
+        if unscored is not None:
+            unscored.finish()
+        return result
+
     # -- what a method says ---------------------------------------------------------------------
     def rollout_plan(self, args) -> GenerationSizes:
         """How a rollout divides: completions per prompt, micro-batches and passes over it."""

@@ -675,11 +675,13 @@ class UnscoredBatches:
     names: Sequence[str]
     limit: int | None  # None: never stop
     in_a_row: int = 0
+    scored: int = 0  # batches with at least one score, this process's life (a run that never had one is refused)
 
     def check(self, rewards: Tensor) -> None:
         """Count one generation batch's ``[N, K]`` scores (all processes'); raise at the limit."""
         if rewards.numel() and not rewards.isnan().all():
             self.in_a_row = 0
+            self.scored += 1
             return
         self.in_a_row += 1
         what = (f"every reward ({', '.join(self.names)}) returned None or NaN for all {rewards.shape[0]} "
@@ -694,6 +696,17 @@ class UnscoredBatches:
                 else "set max_unscored_batches to stop a run after so many")
         logger.warning("plait: no completion of this generation batch got a score: %s; it trains on nothing "
                        "(%d batch(es) in a row; %s)", what, self.in_a_row, stop)
+
+    def finish(self) -> None:
+        """At the end of training: a run none of whose batches got a score trained on nothing, and must not end
+        as if it had (TRL's default trains on through unscored batches, and would exit 0 here)."""
+        if self.in_a_row and not self.scored:
+            raise PlaitError(
+                f"no completion got a score in any of this run's {self.in_a_row} generation batches: every reward "
+                f"({', '.join(self.names)}) returned None or NaN, so nothing was learned; check that the rewards can "
+                "score these completions (the dataset columns they read, the completion format, a service they call, "
+                "reward_timeout)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
