@@ -156,16 +156,18 @@ COMMON = dict(per_device_train_batch_size=4, num_generations=2, max_completion_l
               logging_steps=1, report_to="none", disable_tqdm=True, seed=0)
 
 
-@pytest.mark.parametrize("trainer, config, overrides, message", [
-    ("GRPOTrainer", "GRPOConfig", {"max_num_gen_batches": 0}, "max_num_gen_batches=0 must be an integer >= 1"),
-    ("AsyncGRPOTrainer", "AsyncGRPOConfig", {}, "AsyncGRPOTrainer has its own sample step"),
+@pytest.mark.parametrize("trainer, config, overrides, streamed, message", [
+    ("GRPOTrainer", "GRPOConfig", {"max_num_gen_batches": 0}, False, "max_num_gen_batches=0 must be an integer >= 1"),
+    ("AsyncGRPOTrainer", "AsyncGRPOConfig", {}, False, "AsyncGRPOTrainer has its own sample step"),
+    ("RLOOTrainer", "RLOOConfig", {}, True, "refill batches from the train_dataset by index, which a stream has not"),
 ])
-def test_runs_that_cannot_refill_are_refused_before_the_model_loads(trainer, config, overrides, message):
+def test_runs_that_cannot_refill_are_refused_before_the_model_loads(trainer, config, overrides, streamed, message):
+    dataset = Dataset.from_list([{"prompt": w} for w in WORDS])
     with pytest.raises(PlaitError, match=message) as err:
         args = getattr(plait, config)(output_dir="/tmp/plait-test-filters", max_steps=1,
                                       **{**COMMON, "rollout_filters": ["zero_variance"], **overrides})
         getattr(plait, trainer)(MISSING, reward_funcs=parity, args=args,
-                                train_dataset=Dataset.from_list([{"prompt": w} for w in WORDS]))
+                                train_dataset=dataset.to_iterable_dataset() if streamed else dataset)
     assert "\n" not in str(err.value)
 
 

@@ -508,6 +508,7 @@ class OnlineTrainer(RolloutTrainer):
     _agent_args: dict = {}  # tools, environment_factory, rollout_func given to the constructor
     agent: Agent | None = None  # multi-turn episodes (plait.online.rollouts), when the run has tools or an environment
     _images = False  # does the training data hold images (a VLM's prompts)?
+    _streamed = False  # is the training data a stream (rollout_filters refill prompts by index: refused)?
     takes_images = True  # generation and every forward get the prompts' images (plait.data.vision)
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
@@ -518,6 +519,7 @@ class OnlineTrainer(RolloutTrainer):
         self._reward_processing_classes = reward_processing_classes
         self._agent_args = {"tools": tools, "rollout_func": rollout_func, "environment_factory": environment_factory}
         self._images = vision.holds_images(train_dataset)
+        self._streamed = is_stream(train_dataset)  # rollout_filters are refused on a stream
         super().__init__(model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, peft_config=peft_config, callbacks=callbacks,
                          optimizers=optimizers, quantization_config=quantization_config, plugins=plugins)
@@ -586,6 +588,9 @@ class OnlineTrainer(RolloutTrainer):
         if self._images:
             raise PlaitError("rollout_filters: refilling batches of prompts with images is not supported; drop "
                              "rollout_filters for this dataset")
+        if self._streamed:
+            raise PlaitError("rollout_filters refill batches from the train_dataset by index, which a stream has "
+                             "not; drop rollout_filters or load the dataset whole (streaming: false)")
 
     @property
     def reward_processing_classes(self) -> list:
@@ -645,9 +650,6 @@ class OnlineTrainer(RolloutTrainer):
         self.unscored = UnscoredBatches([f.name for f in self.reward_funcs], p.max_unscored_batches)
         self.prompt_stream, self._generated_tokens = None, 0
         if self.rollout_filters and self.train_dataset is not None:
-            if not hasattr(self.train_dataset, "__len__"):
-                raise PlaitError("rollout_filters refill batches from the train_dataset by index, which a streamed "
-                                 "(iterable) dataset has not; drop rollout_filters or load the dataset whole")
             self.prompt_stream = PromptStream(len(self.train_dataset), p.shuffle_dataset, self.args.seed)
 
     # -- data loading -------------------------------------------------------------------------
