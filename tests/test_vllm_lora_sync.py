@@ -56,9 +56,10 @@ def test_adapter_payload_is_the_adapter_alone(tmp_path):
 def test_adapters_vllm_cannot_serve_take_the_merged_route(lora, reason):
     model, tokenizer = lora_policy(**lora)
     assert reason in lora_unservable(model)
-    from plait.plugins.generation.vllm_colocate import VLLMColocateBackend
+    from plait.plugins.generation.vllm_colocate import VLLMColocateBackend, VLLMColocateParams
 
-    assert not VLLMColocateBackend(model, tokenizer).lora
+    assert not VLLMColocateBackend(model, tokenizer, VLLMColocateParams(lora_sync=True)).lora  # asked, not servable
+    assert not VLLMColocateBackend(lora_policy()[0], tokenizer).lora  # a servable adapter merges unless asked
     assert "no PEFT adapter" in lora_unservable(model.get_base_model())
 
 

@@ -8,9 +8,9 @@ reference through vLLM's in-place reload, and the prefix cache is reset. Complet
 with vLLM's per-token log-probs, which the trainer compares with its own to correct for the
 engine's numerics (``vllm_importance_sampling_*``).
 
-A plain LoRA policy (``vllm_lora_sync``, on by default) instead reaches an engine built from the
-frozen base weights with vLLM's LoRA support: each push saves only the adapter, as a new version
-that the engine loads and generation then names (docs/vllm.md).
+A plain LoRA policy with ``vllm_lora_sync=True`` (off by default: TRL always merges) instead reaches
+an engine built from the frozen base weights with vLLM's LoRA support: each push saves only the
+adapter, as a new version that the engine loads and generation then names (docs/vllm.md).
 
 Its options (:class:`VLLMColocateParams`) are fields of every online method's Config as ``vllm_<option>``:
 TRL's ``vllm_gpu_memory_utilization``, ``vllm_tensor_parallel_size``, ``vllm_max_model_length``,
@@ -93,7 +93,9 @@ class VLLMColocateParams:
     enable_prefix_caching: bool = True
     seed: int | None = None  # None: the run's seed
     engine_kwargs: dict = attrs.field(factory=dict)
-    lora_sync: bool = True
+    # Off by default: measured on a CPU (docs/vllm.md), generating through LoRA cost more than the merged
+    # push it saves on a 135M model; it pays for large models and is the only route for a quantized base.
+    lora_sync: bool = False
 
 
 class VLLMColocateBackend(GenerationBackend):
