@@ -632,8 +632,11 @@ def prepare_dataset(
                     out.setdefault(key, []).append(value)
         return out
 
+    if stream:  # tokenised lazily, row by row as training reads them
+        processed = dataset.map(process, batched=True, with_indices=True, remove_columns=columns)
+        return _stream_row_policies(processed, max_length, on_overlong, truncation_mode)
     processed = dataset.map(
-        process, batched=True, with_indices=True, remove_columns=dataset.column_names, num_proc=num_proc,
+        process, batched=True, with_indices=True, remove_columns=columns, num_proc=num_proc,
         desc=f"plait: tokenising {component.name} for {task}",
     )
     if fmt.multimodal and "images" in processed.column_names:  # encoded PIL images: decode them when read again
