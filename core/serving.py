@@ -15,6 +15,7 @@ import ipaddress
 import json
 import math
 import os
+import secrets
 import socket
 import stat
 import sys
@@ -280,12 +281,33 @@ class JsonHandler(BaseHTTPRequestHandler):
             self.close_connection = True  # the client stopped waiting
 
 
-def reward_token_path(port: int) -> Path:
-    """Where ``plait reward-serve --port PORT`` writes the token it generates, and where the ``remote``
-    reward looks for a loopback server's: beside ``plait vllm-serve``'s (``$XDG_RUNTIME_DIR/plait/``,
-    else plait's cache folder)."""
+def token_path(server: str, port: int) -> Path:
+    """Where ``plait <server> --port PORT`` writes the token it generates, and where clients of a loopback
+    server look for it: ``$XDG_RUNTIME_DIR/plait/`` (per user, emptied at logout), else plait's cache
+    folder (:func:`plait.paths.cache_dir`), as ``<server>-<machine name>-<port>.token`` (the machine's name
+    keeps servers apart when machines share a home folder)."""
     from plait.paths import cache_dir
 
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     folder = Path(runtime) / "plait" if runtime else cache_dir()
-    return folder / f"reward-serve-{socket.gethostname()}-{port}.token"
+    return folder / f"{server}-{socket.gethostname()}-{port}.token"
+
+
+def check_bind(host: str, token: str | None, token_env: str) -> None:
+    """Refuse to listen beyond loopback without a token the operator chose: a generated token lives in a
+    file on this machine that remote clients cannot read."""
+    if not token and not is_loopback(host):
+        raise PlaitError(f"--host {host} listens beyond this machine; pass --token-file PATH (or {token_env}) "
+                         "and give the token to your clients, or bind --host 127.0.0.1")
+
+
+def server_token(token_file: str | None, token_env: str, generated: Path) -> tuple[str, Path | None]:
+    """The token a server requires, and the file to write it into (None: it is there already or the
+    operator holds it). In order: ``--token-file`` (read, or generated into when missing), the
+    ``token_env`` variable, a fresh token for the file ``generated`` (see :func:`token_path`)."""
+    if token_file:
+        path = Path(token_file).expanduser()
+        return (read_token(path), None) if path.exists() else (secrets.token_urlsafe(32), path)
+    if os.environ.get(token_env):
+        return os.environ[token_env], None
+    return secrets.token_urlsafe(32), generated

@@ -4,7 +4,7 @@
 prompts, completions, completion ids and JSON-able dataset columns to the server's ``/score`` and
 returns its scores. ``reward`` picks one of the served rewards (needed when it serves several).
 The token is ``token_file``'s, else PLAIT_REWARD_TOKEN, else (a loopback server) the one the
-server wrote for its port (:func:`plait.serving.reward_token_path`).
+server wrote for its port (:func:`plait.serving.token_path`).
 
 Each request gets ``timeout`` seconds; a refused connection, a timeout or a 502/503/504 is retried
 ``retries`` times, ``backoff`` seconds apart (doubling). What still fails raises, and the run's
@@ -30,7 +30,7 @@ import attrs
 
 from plait import hookimpl
 from plait.errors import PlaitError
-from plait.serving import is_loopback, read_token, reward_token_path
+from plait.serving import is_loopback, read_token, token_path
 
 TOKEN_ENV = "PLAIT_REWARD_TOKEN"
 RETRIED = (502, 503, 504)
@@ -79,7 +79,7 @@ class RemoteReward:
     def token(self) -> str | None:
         if self._token is None:
             parts = urllib.parse.urlsplit(self.params.url)
-            path = reward_token_path(parts.port or 80)
+            path = token_path("reward-serve", parts.port or 80)
             if is_loopback(parts.hostname) and path.exists():
                 self._token = read_token(path)
         return self._token

@@ -15,8 +15,9 @@ from plait.manager import make_plugins
 from plait.online import weights
 from plait.plugins.generation import _vllm
 from plait.plugins.generation.vllm_colocate import VLLMColocateBackend, VLLMColocateParams, vllm_colocate_backend
-from plait.plugins.generation.vllm_serve import check_bind, is_loopback
+from plait.plugins.generation.vllm_serve import check_bind
 from plait.plugins.generation.vllm_server import RETRY_DELAYS, VLLMClient, VLLMServerParams, vllm_server_backend
+from plait.serving import is_loopback
 from plait.testing.tiny_model import tiny_model_path
 
 

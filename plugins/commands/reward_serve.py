@@ -24,28 +24,17 @@ from __future__ import annotations
 import argparse
 import os
 import queue
-import secrets
 import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 import attrs
 
-from plait import hookimpl
+from plait import hookimpl, serving
 from plait.cli import Command
 from plait.errors import PlaitError
-from plait.serving import (
-    BoundedServer,
-    JsonHandler,
-    add_limit_arguments,
-    check_limits,
-    is_loopback,
-    read_token,
-    reward_token_path,
-    write_token,
-)
+from plait.serving import BoundedServer, JsonHandler, add_limit_arguments, check_limits, write_token
 
 TOKEN_ENV = "PLAIT_REWARD_TOKEN"
 MAX_BODY_BYTES = 16 * 2**20  # prompts and completions as text
@@ -200,22 +189,13 @@ class RewardServer(BoundedServer):
 
 
 def run(args: argparse.Namespace, plugins) -> int:
-    if not args.token_file and not os.environ.get(TOKEN_ENV) and not is_loopback(args.host):
-        raise PlaitError(f"--host {args.host} listens beyond this machine; pass --token-file PATH (or {TOKEN_ENV}) "
-                         "and give the token to your clients, or bind --host 127.0.0.1")
+    serving.check_bind(args.host, args.token_file or os.environ.get(TOKEN_ENV), TOKEN_ENV)
     check_limits(args)
     if args.max_batch_size < 1 or not 0 <= args.batch_window < 60:
         raise PlaitError(f"--max-batch-size={args.max_batch_size} must be at least 1 and --batch-window="
                          f"{args.batch_window} seconds in [0, 60)")
     rewards = served_rewards(args, plugins)
-    token_file: Path | None = None
-    if args.token_file:
-        path = Path(args.token_file).expanduser()
-        token, token_file = (read_token(path), None) if path.exists() else (secrets.token_urlsafe(32), path)
-    elif os.environ.get(TOKEN_ENV):
-        token = os.environ[TOKEN_ENV]
-    else:
-        token, token_file = secrets.token_urlsafe(32), reward_token_path(args.port)
+    token, token_file = serving.server_token(args.token_file, TOKEN_ENV, serving.token_path("reward-serve", args.port))
     try:
         httpd = RewardServer((args.host, args.port), rewards, max_batch_size=args.max_batch_size,
                              batch_window=args.batch_window, token=token, max_connections=args.max_connections,

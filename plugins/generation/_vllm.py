@@ -33,8 +33,8 @@ import torch
 from plait.errors import PlaitError
 from plait.online.generation import SamplingParams
 from plait.online.weights import full_shape, materialised
-from plait.paths import cache_dir
 from plait.serving import is_loopback, read_token, write_token  # noqa: F401 - the servers' token helpers
+from plait.serving import token_path as serving_token_path
 
 WORKER_EXTENSION = "plait.plugins.generation._vllm.WorkerExtension"
 BUCKET_BYTES = 512 * 2**20  # weights travel in flat buckets of at most this size
@@ -209,13 +209,8 @@ def receive_buckets(group, root: int, layout: list[dict], device) -> Iterator[tu
 
 
 def token_path(port: int) -> Path:
-    """Where ``plait vllm-serve --port PORT`` writes the token it generates, and where clients of
-    a loopback server look for it: ``$XDG_RUNTIME_DIR/plait/`` (per user, emptied at logout), else
-    plait's cache folder (:func:`plait.paths.cache_dir`), as ``vllm-serve-<machine name>-<port>.token`` (the
-    machine's name keeps servers apart when machines share a home folder)."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    folder = Path(runtime) / "plait" if runtime else cache_dir()
-    return folder / f"vllm-serve-{socket.gethostname()}-{port}.token"
+    """Where ``plait vllm-serve --port PORT`` writes the token it generates (:func:`plait.serving.token_path`)."""
+    return serving_token_path("vllm-serve", port)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,7 +42,6 @@ import math
 import multiprocessing
 import os
 import re
-import secrets
 import signal
 import sys
 import threading
@@ -51,12 +50,12 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from plait import hookimpl
+from plait import hookimpl, serving
 from plait.cli import Command
 from plait.errors import PlaitError
 from plait.serving import HEADER_TIMEOUT, MAX_CONNECTIONS, BoundedServer, JsonHandler, add_limit_arguments, check_limits
 
-from ._vllm import TOKEN_ENV, WEIGHT_DTYPES, is_loopback, read_token, token_path, write_token
+from ._vllm import TOKEN_ENV, WEIGHT_DTYPES, token_path, write_token
 
 if TYPE_CHECKING:
     import torch
@@ -94,29 +93,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_bind(host: str, token: str | None) -> None:
-    """Refuse to listen beyond loopback without a token the operator chose: the server runs
-    arbitrary prompts and overwrites its weights on request, and a generated token lives in a
-    file on this machine that remote clients cannot read."""
-    if not token and not is_loopback(host):
-        raise PlaitError(f"--host {host} listens beyond this machine; pass --token-file PATH (or {TOKEN_ENV}) "
-                         "and give the token to your clients, or bind --host 127.0.0.1")
+    """Refuse to listen beyond loopback without a token the operator chose (the server runs arbitrary
+    prompts and overwrites its weights on request)."""
+    serving.check_bind(host, token, TOKEN_ENV)
 
 
 def server_token(args: argparse.Namespace) -> tuple[str, Path | None]:
-    """The token this server requires, and the file to write it into (None: it is there already
-    or the operator holds it). In order: ``--token`` (warned: any user sees it in ``ps``),
-    ``--token-file`` (read, or generated into when missing), PLAIT_VLLM_TOKEN, a fresh token for
-    :func:`token_path`."""
+    """The token this server requires, and the file to write it into: ``--token`` (warned: any user sees
+    it in ``ps``), else :func:`plait.serving.server_token` (``--token-file``, PLAIT_VLLM_TOKEN, a fresh one
+    for :func:`token_path`)."""
     if args.token:
         print("plait vllm-serve: warning: --token is visible to every user of this machine (ps, /proc/*/cmdline); "
               f"use --token-file or {TOKEN_ENV}", file=sys.stderr)
         return args.token, None
-    if args.token_file:
-        path = Path(args.token_file).expanduser()
-        return (read_token(path), None) if path.exists() else (secrets.token_urlsafe(32), path)
-    if os.environ.get(TOKEN_ENV):
-        return os.environ[TOKEN_ENV], None
-    return secrets.token_urlsafe(32), token_path(args.port)
+    return serving.server_token(args.token_file, TOKEN_ENV, token_path(args.port))
 
 
 def run(args: argparse.Namespace, plugins) -> int:
