@@ -36,11 +36,11 @@ def sft(output: Path, *extra: str) -> list[str]:
             "--learning_rate", "1e-2", "--per_device_train_batch_size", "4", "--output_dir", str(output), *extra]
 
 
-def machine(rank: int, port: int, output: Path, *extra: str) -> subprocess.Popen:
-    """``plait sft`` as machine ``rank`` of two would run it."""
-    command = sft(output, "--num_processes", "2", "--num_machines", "2", "--machine_rank", str(rank),
-                  "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *extra)
-    return subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def machine(rank: int, port: int, output: Path, *extra: str, command=sft, env=ENV) -> subprocess.Popen:
+    """``plait sft`` (or ``command``) as machine ``rank`` of two would run it."""
+    command = command(output, "--num_processes", "2", "--num_machines", "2", "--machine_rank", str(rank),
+                      "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *extra)
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def power_off(process: subprocess.Popen) -> None:
@@ -115,6 +115,39 @@ def test_two_machines_train_the_weights_of_two_processes_on_one(tmp_path, machin
     assert any((here[k] != initial[k]).any() for k in here)  # it trained
     # the same two ranks reduce in the same order over gloo, whether they share a host or not: bit-identical
     assert all((across[k] == here[k]).all() for k in here)
+
+
+SPREAD_REWARD = """
+def spread(completion_ids, **kwargs):  # rewards that differ within a group, so a GRPO step moves the weights
+    return [float(sum(ids) % 7) for ids in completion_ids]
+"""
+
+
+@pytest.mark.slow
+def test_a_grpo_step_across_two_machines_equals_two_processes_on_one(tmp_path, machines):
+    (tmp_path / "spread_reward.py").write_text(SPREAD_REWARD)
+    (tmp_path / "prompts.jsonl").write_text("".join(f'{{"prompt": "{p}"}}\n' for p in ("The river", "Python is")))
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(f"method: grpo\nmodel: {tiny_model_path()}\ndataset: {{path: json, data_files: prompts.jsonl}}\n"
+                      "reward_funcs: [spread_reward:spread]\ntraining: {per_device_train_batch_size: 2, "
+                      "num_generations: 2, max_completion_length: 5, learning_rate: 1.0e-2, max_steps: 1, "
+                      "save_strategy: 'no', report_to: none, seed: 0}\n")
+    env = {**ENV, "PYTHONPATH": str(tmp_path)}
+
+    def grpo(output: Path, *extra: str) -> list[str]:
+        return [str(PLAIT), "grpo", "--config", str(recipe), "--output_dir", str(output), *extra]
+
+    port = free_port()
+    machines += [machine(rank, port, tmp_path / f"machine{rank}", command=grpo, env=env) for rank in (0, 1)]
+    outputs = [process.communicate(timeout=300)[0] for process in machines]
+    assert [p.returncode for p in machines] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    one = subprocess.run(grpo(tmp_path / "one", "--num_processes", "2"), env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    across, here = (load_file(tmp_path / run / "model.safetensors") for run in ("machine0", "one"))
+    initial = load_file(tiny_model_path() / "model.safetensors")
+    assert any((here[k] != initial[k]).any() for k in here)  # the step moved the weights
+    assert all((across[k] == here[k]).all() for k in here)  # generation, scoring and the step: bit-identical
 
 
 @pytest.mark.slow
