@@ -6,7 +6,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from plait import PlaitError, make_plugins
@@ -152,3 +153,38 @@ def test_prompt_only_is_left_padded_for_generation(prompts, multiple):
 def test_bad_pad_to_multiple_of(name):
     with pytest.raises(PlaitError, match="pad_to_multiple_of=0"):
         collator(name, pad_to_multiple_of=0)
+
+
+# -- data-loader workers started by spawn receive the collator --------------------------------------
+
+
+def spawned_worker_rows(dataset, collate):
+    loader = torch.utils.data.DataLoader(dataset, batch_size=2, collate_fn=collate, num_workers=1,
+                                         multiprocessing_context="spawn")
+    return list(loader)
+
+
+def test_a_trainers_collator_pickles_as_its_registry_entry_and_batches_alike_in_a_spawned_worker(tmp_path):
+    """Collator factories return closures; a trainer hands the data loader a RegisteredCollator, which a worker
+    started by spawn (macOS, Python 3.14's forkserver, dataloader_multiprocessing_context) rebuilds by name."""
+    import pickle
+
+    from datasets import Dataset
+
+    import plait
+
+    rows = [{"prompt": "The sky is", "completion": " blue."}, {"prompt": "Grass is", "completion": " green."}]
+    args = plait.SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", dataloader_num_workers=1,
+                           dataloader_multiprocessing_context="spawn", padding_free=False)
+    trainer = plait.SFTTrainer(str(tiny_model_path()), args=args, train_dataset=Dataset.from_list(rows))
+    collate = trainer.data_collator
+    examples = [trainer.train_dataset[i] for i in range(2)]
+    again = pickle.loads(pickle.dumps(collate))
+    assert again.padded.plugins is None and again.padded.name == "collator.language_modeling"  # rebuilt by name
+    expected = collate(examples)
+    got = again(examples)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    (batch,) = spawned_worker_rows(trainer.train_dataset.with_format(None), collate)
+    assert torch.equal(batch["input_ids"], expected["input_ids"])
+    trainer.train()  # transformers' loader with a spawned worker
+    assert trainer.state.global_step == 1

@@ -189,3 +189,30 @@ def row_token_logprobs(token_logprobs, model, batch: dict, prefix: str = "", com
     per_row = {name: rows_from_flat(value, lengths, width, index=index)
                for name, value in attrs.asdict(out, recurse=False).items() if value is not None}
     return attrs.evolve(out, **per_row)
+
+
+class RegisteredCollator:
+    """A registered collator as a data loader holds it: built from its registry entry on first use, and
+    pickled as that entry's name and arguments. Collator factories return closures, which pickle cannot
+    carry to data-loader workers started by spawn or forkserver (``dataloader_num_workers`` > 0 on macOS,
+    on Python 3.14, or with ``dataloader_multiprocessing_context="spawn"``); a worker rebuilds the closure
+    from the installed plugins instead."""
+
+    def __init__(self, plugins: Any, name: str, *args: Any, **options: Any):
+        self.plugins, self.name, self.args, self.options = plugins, name, args, options
+        self._collate = None
+
+    def __call__(self, examples):
+        if self._collate is None:
+            if self.plugins is None:  # unpickled in a worker process: the installed plugins
+                from plait.manager import default_plugins
+
+                self.plugins = default_plugins()
+            self._collate = self.plugins.collators.get(self.name).obj(*self.args, **self.options)
+        return self._collate(examples)
+
+    def __getstate__(self) -> dict:
+        return {**vars(self), "plugins": None, "_collate": None}
+
+    def __repr__(self) -> str:
+        return f"RegisteredCollator({self.name!r})"

@@ -40,6 +40,7 @@ from plait.paths import honour_umask, storage_shortage
 from . import run_folder
 from .attention import SEQUENCE_SDPA, packs_per_sequence, shares_prefixes
 from .config import method_args, trains_on_cpu
+from .layout import RegisteredCollator
 from .logprobs import token_logprobs
 from .memory import TORCH_SWITCH, large_buffers_aligned
 from .model_card import CardDetails, write_model_card
@@ -302,9 +303,14 @@ class PlaitTrainer(Trainer):
         default for ``images`` (images become model inputs)."""
         collate = self.make_collator(processing_class, args)
         if image_processor_of(processing_class) is not None:
-            wrap = self.plugins.collators.default("images", "turning a VLM's images into model inputs").obj
-            collate = wrap(processing_class, inner=collate)
+            wrap = self.plugins.collators.default("images", "turning a VLM's images into model inputs")
+            collate = self.collator(wrap.name, processing_class, inner=collate)
         return collate
+
+    def collator(self, name: str, processing_class, **options) -> RegisteredCollator:
+        """The registered collator ``name`` built for ``processing_class`` with ``options``, as a data loader
+        can carry it to worker processes (:class:`plait.engine.layout.RegisteredCollator`)."""
+        return RegisteredCollator(self.plugins, name, processing_class, **options)
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()

@@ -302,7 +302,7 @@ class RolloutTrainer(PlaitTrainer):
                                chat_template_kwargs=p.chat_template_kwargs)
 
     def make_collator(self, processing_class, args):
-        return self.plugins.collators.get(self.prompt_collator).obj(processing_class)
+        return self.collator(self.prompt_collator, processing_class)
 
     # -- construction -------------------------------------------------------------------------
     def validate(self, args) -> None:

@@ -99,8 +99,7 @@ class PreferenceTrainer(PlaitTrainer):
                                truncation_mode=p.truncation_mode, num_proc=p.dataset_num_proc)
 
     def make_collator(self, processing_class, args):
-        return self.plugins.collators.get("collator.preference").obj(
-            processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
+        return self.collator("collator.preference", processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
 
     def preference_logps(self, model, inputs) -> tuple[PreferenceLogps, torch.Tensor]:
         """The policy's log-probs of the 2B rows as a reference-free batch, and each row's mean logit."""

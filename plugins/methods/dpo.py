@@ -151,7 +151,7 @@ class DPOTrainer(ReferenceTrainer):
 
     def make_collator(self, processing_class, args):
         name = preference_collator_name(self.padding_free, self.prefix_sharing)
-        return self.plugins.collators.get(name).obj(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
+        return self.collator(name, processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
 
     # -- one step -----------------------------------------------------------------------------
     def completion_logps(self, model, inputs) -> tuple[torch.Tensor, object]:

@@ -237,8 +237,7 @@ class KTOTrainer(ReferenceTrainer):
     def make_collator(self, processing_class, args):
         name = ("collator.unpaired_prefix_shared" if self.prefix_sharing
                 else "collator.unpaired_padding_free" if self.padding_free else "collator.unpaired")
-        factory = self.plugins.collators.get(name).obj
-        return factory(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
+        return self.collator(name, processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
 
     # -- one step -----------------------------------------------------------------------------
     def completion_logps(self, model, inputs, prefix: str = "") -> torch.Tensor:

@@ -166,7 +166,7 @@ class PRMTrainer(PlaitTrainer):
         return kept
 
     def make_collator(self, processing_class, args):
-        return self.plugins.collators.get("collator.token_classification").obj(processing_class)
+        return self.collator("collator.token_classification", processing_class)
 
     def after_init(self) -> None:
         # the reward source reads the separator the PRM was trained with from the saved config

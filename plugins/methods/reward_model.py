@@ -195,7 +195,7 @@ class RewardTrainer(PlaitTrainer):
 
     def make_collator(self, processing_class, args):
         name = preference_collator_name(self.padding_free, self.prefix_sharing)
-        return self.plugins.collators.get(name).obj(processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
+        return self.collator(name, processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
 
     def after_init(self) -> None:
         # The classifier scores the last token that is not padding: it must know the pad id the

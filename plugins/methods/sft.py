@@ -100,6 +100,19 @@ SFTConfig = method_config(
 )
 
 
+@attrs.frozen
+class PackedOrPadded:
+    """Packed rows (``seq_lengths``: several documents, positions restarting per document) go to the
+    padding-free collator, others to the padded one; a class, not a closure, so data-loader workers can
+    receive it."""
+
+    flat: Callable
+    padded: Callable
+
+    def __call__(self, examples):
+        return self.flat(examples) if examples[0].get("seq_lengths") is not None else self.padded(examples)
+
+
 class SFTTrainer(PlaitTrainer):
     """Supervised fine-tuning with composable ``sft.*`` token losses.
 
@@ -164,16 +177,9 @@ class SFTTrainer(PlaitTrainer):
 
     def make_collator(self, processing_class, args):
         p = args.params
-        flat, padded = (self.plugins.collators.get(name).obj(processing_class, pad_to_multiple_of=p.pad_to_multiple_of)
+        flat, padded = (self.collator(name, processing_class, pad_to_multiple_of=p.pad_to_multiple_of)
                         for name in ("collator.padding_free", "collator.language_modeling"))
-        if p.padding_free:
-            return flat
-
-        def collate(examples):
-            # packed rows (seq_lengths) hold several documents: positions restart per document
-            return flat(examples) if examples[0].get("seq_lengths") is not None else padded(examples)
-
-        return collate
+        return flat if p.padding_free else PackedOrPadded(flat, padded)
 
     def after_init(self) -> None:
         # Normalise by target tokens across accumulation steps and processes (transformers counts them).
