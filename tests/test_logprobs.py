@@ -416,3 +416,30 @@ def test_bf16_autocast_logprobs_stay_within_bound_of_fp32(tie):
     for bf16 in (around, prepared):
         error = (bf16 - reference).abs().max().item()
         assert 0 < error < 0.1, error  # 0 would mean bf16 never ran
+
+
+def test_prompt_tuning_virtual_tokens_are_not_scored_and_sft_trains_them(tmp_path):
+    """A PEFT prompt-learning model prepends virtual tokens to every row: its outputs have T + n positions,
+    the first n predicting none of the given tokens (TRL's prompt-tuning test: the log-prob path used to
+    reshape [B, T + n] as [B, T])."""
+    model = peft.get_peft_model(tiny_llama(), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    logits = model(input_ids=ids).logits
+    assert logits.shape[1] == 10  # 3 virtual + 7 given
+    expected = torch.log_softmax(logits[:, 3:-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    for chunked in (True, False):
+        got = token_logprobs(model, ids, torch.ones_like(ids), chunked=chunked).logps
+        torch.testing.assert_close(got[:, 1:], expected)
+    from datasets import Dataset
+
+    import plait
+    from plait.testing.tiny_model import tiny_model_path
+
+    args = plait.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, learning_rate=0.1,
+                           report_to="none")
+    rows = Dataset.from_list([{"prompt": "The sky is", "completion": " blue."}] * 4)
+    trainer = plait.SFTTrainer(str(tiny_model_path()), args=args, train_dataset=rows,
+                               peft_config=peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    before = trainer.model.get_prompt_embedding_to_save("default").clone()
+    trainer.train()
+    assert not torch.equal(before, trainer.model.get_prompt_embedding_to_save("default"))

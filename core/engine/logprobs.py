@@ -111,7 +111,7 @@ def token_logprobs(
         out = _chunked(model, input_ids, forward_kwargs, targets, stats, chunk_size, cast_lm_head_to_fp32, rows)
     else:
         with _fp32_head(model) if cast_lm_head_to_fp32 else contextlib.nullcontext():
-            logits = model(input_ids=input_ids, **forward_kwargs).logits
+            logits = _own_positions(model(input_ids=input_ids, **forward_kwargs).logits, input_ids)
         out = stats(logits.float().reshape(B * T, -1), targets)
 
     def align(x: Tensor) -> Tensor:
@@ -381,7 +381,7 @@ def _predictors(select: Tensor, shape: torch.Size) -> Tensor:
 def _chunked(model, input_ids, forward_kwargs, targets, stats: _Stats, chunk_size,
              fp32_head: bool = False, rows: Tensor | None = None) -> tuple[Tensor, ...]:
     hidden, head, project, output = _final_hidden(model, input_ids, forward_kwargs, fp32_head)
-    flat = hidden.reshape(-1, hidden.shape[-1])
+    flat = _own_positions(hidden, input_ids).reshape(-1, hidden.shape[-1])
     if rows is not None:
         flat, targets = flat[rows], targets[rows]
     size = chunk_size or default_chunk_size(getattr(head, "out_features", None) or output.logits.shape[-1])
@@ -398,6 +398,13 @@ def _chunked(model, input_ids, forward_kwargs, targets, stats: _Stats, chunk_siz
     if rows is None:
         return values
     return tuple(v.new_zeros(rows.shape[0]).masked_scatter(rows, v) for v in values)
+
+
+def _own_positions(values: Tensor, input_ids: Tensor) -> Tensor:
+    """``values`` [B, T', ...] at the positions of ``input_ids`` [B, T]: a PEFT prompt-learning model (prompt
+    tuning, P-tuning) prepends T' - T virtual tokens, whose outputs predict none of the given tokens."""
+    extra = values.shape[1] - input_ids.shape[1]
+    return values[:, extra:] if extra > 0 else values
 
 
 def _post_head(config) -> Callable[[Tensor], Tensor]:
