@@ -76,6 +76,13 @@ class RemoteReward:
         self._down_until, self._last_failure = 0.0, ""
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:
+        # another process (an async rollout worker) gets the parameters and token, and a lock of its own
+        return {k: v for k, v in vars(self).items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        vars(self).update(state, _lock=threading.Lock())
+
     def token(self) -> str | None:
         if self._token is None:
             parts = urllib.parse.urlsplit(self.params.url)

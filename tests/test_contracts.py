@@ -69,8 +69,28 @@ def tiny_reward_model_folder(root: Path) -> str:
     return str(folder)
 
 
+def served_reward(root: Path) -> dict:
+    """What reward.remote calls: an in-process ``plait reward-serve`` on loopback scoring completion lengths
+    (a daemon thread, gone with the test process), and the file holding its token."""
+    import threading
+
+    from plait.plugins.commands.reward_serve import RewardServer
+
+    def length(prompts, completions, **kwargs):
+        return [float(len(str(c))) for c in completions]
+
+    server = RewardServer(("127.0.0.1", 0), {"length": length}, max_batch_size=64, batch_window=0.0, token="contract",
+                          max_connections=8, header_timeout=10, max_body_bytes=2**22, body_timeout=10)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    (root / "token").write_text("contract")
+    (root / "token").chmod(0o600)  # the client refuses a token others can read
+    return {"url": f"http://127.0.0.1:{server.server_address[1]}", "token_file": str(root / "token"),
+            "reward": "length"}
+
+
 # Built-ins that need a real artifact (or another component) to build: their arguments for the check.
 ARTIFACTS = {
+    "reward.remote": lambda root: {"params": served_reward(root)},
     "reward.prm": lambda root: {"params": {"model": tiny_prm_folder(root)}},
     "judge.reward_model": lambda root: {"params": {"model": tiny_reward_model_folder(root)}},
     "judge.pairwise": lambda root: {"params": {"model": str(tiny_model_path())}},
