@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import plait
-from plait.cli import main
+from plait.cli import _only_lists, main
 from plait.manager import make_plugins
 from plait.plugins.callbacks.metrics_log import METRICS_FILE, MetricsLog, read_metrics
 from plait.testing.tiny_model import tiny_model_path
@@ -223,7 +223,13 @@ def broken_site(tmp_path) -> Path:
     return third_party(tmp_path / "site", "plait_broken", 'raise RuntimeError("this plugin is broken")\n')
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["plugins"], ["list", "losses"], ["env"], []])
+def test_every_listing_command_is_answered_without_a_run_s_plugin_load():
+    """The listings below, `plait --help` and `plait env` take the warning path (the script runs three of them)."""
+    assert all(_only_lists(argv) for argv in (["--help"], ["plugins"], ["list", "losses"], ["env"], []))
+    assert not any(_only_lists(argv) for argv in (["dpo", "--help"], ["report", "out"]))
+
+
+@pytest.mark.parametrize("argv", [["plugins"], ["list", "losses"], []])
 def test_a_broken_plugin_is_warned_about_and_the_listing_goes_on(broken_site, tmp_path, argv):
     done = plait_command(*argv, pythonpath=broken_site, env={"PLAIT_CACHE_DIR": str(tmp_path / "cache")})
     assert done.returncode == (2 if not argv else 0), done.stderr  # bare `plait` asks for a command, as before

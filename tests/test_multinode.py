@@ -1,4 +1,4 @@
-"""Several machines on one host: two ``plait sft`` commands, ``--num_machines 2 --machine_rank 0|1`` on
+"""Several machines on one host: two ``plait`` commands, ``--num_machines 2 --machine_rank 0|1`` on
 loopback (gloo, one process each), as two nodes of a cluster would run them (plait.recipes.launch)."""
 
 from __future__ import annotations
@@ -96,27 +96,6 @@ def machines():
         process.communicate()
 
 
-@pytest.mark.slow
-def test_two_machines_train_the_weights_of_two_processes_on_one(tmp_path, machines):
-    steps = ["--max_steps", "3", "--logging_steps", "1"]
-    port = free_port()
-    machines += [machine(rank, port, tmp_path / f"machine{rank}", *steps) for rank in (0, 1)]
-    outputs = [process.communicate(timeout=300)[0] for process in machines]
-    assert [p.returncode for p in machines] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    assert "--nnodes=2 --node_rank=1 --master_addr=127.0.0.1" in outputs[1]  # torch's rendezvous, not plait's
-    assert outputs[0].count("'loss'") == 3 and "'loss'" not in outputs[1]  # logged once, by global rank 0
-    assert not (tmp_path / "machine1" / "model.safetensors").exists()  # saved once, by global rank 0
-
-    one = subprocess.run(sft(tmp_path / "one", *steps, "--num_processes", "2"), env=ENV, capture_output=True,
-                         text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
-    across, here = (load_file(tmp_path / run / "model.safetensors") for run in ("machine0", "one"))
-    initial = load_file(tiny_model_path() / "model.safetensors")
-    assert any((here[k] != initial[k]).any() for k in here)  # it trained
-    # the same two ranks reduce in the same order over gloo, whether they share a host or not: bit-identical
-    assert all((across[k] == here[k]).all() for k in here)
-
-
 SPREAD_REWARD = """
 def spread(completion_ids, **kwargs):  # rewards that differ within a group, so a GRPO step moves the weights
     return [float(sum(ids) % 7) for ids in completion_ids]
@@ -125,6 +104,9 @@ def spread(completion_ids, **kwargs):  # rewards that differ within a group, so 
 
 @pytest.mark.slow
 def test_a_grpo_step_across_two_machines_equals_two_processes_on_one(tmp_path, machines):
+    """Generation, group scoring across ranks and the step: the same two ranks reduce in the same order over
+    gloo whether they share a host or not, so the weights are bit-identical (the launcher is the same for
+    every method; SFT across two machines was measured equal too, and is not repeated here for time)."""
     (tmp_path / "spread_reward.py").write_text(SPREAD_REWARD)
     (tmp_path / "prompts.jsonl").write_text("".join(f'{{"prompt": "{p}"}}\n' for p in ("The river", "Python is")))
     recipe = tmp_path / "grpo.yaml"
@@ -141,6 +123,9 @@ def test_a_grpo_step_across_two_machines_equals_two_processes_on_one(tmp_path, m
     machines += [machine(rank, port, tmp_path / f"machine{rank}", command=grpo, env=env) for rank in (0, 1)]
     outputs = [process.communicate(timeout=300)[0] for process in machines]
     assert [p.returncode for p in machines] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "--nnodes=2 --node_rank=1 --master_addr=127.0.0.1" in outputs[1]  # torch's rendezvous, not plait's
+    assert "'train_runtime'" in outputs[0] and "'train_runtime'" not in outputs[1]  # logged once, by global rank 0
+    assert not (tmp_path / "machine1" / "model.safetensors").exists()  # saved once, by global rank 0
     one = subprocess.run(grpo(tmp_path / "one", "--num_processes", "2"), env=env, capture_output=True, text=True,
                          timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
