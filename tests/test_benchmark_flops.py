@@ -1,0 +1,95 @@
+"""benchmarks/flops.py against FLOPs counted by hand for a one-layer toy decoder.
+
+Toy: hidden 8, intermediate 16, 2 heads of size 4, 1 key/value head, vocabulary 10. Its linears per
+token: q 8·8 + k, v 2·8·4 + o 8·8 + gate, up 2·8·16 + down 16·8 = 576 multiply-adds, so 1,152 FLOPs;
+attention 4·2·4 = 32 FLOPs per context token; the LM head 2·8·10 = 160 per position.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+spec = importlib.util.spec_from_file_location("flops", Path(__file__).parents[1] / "benchmarks" / "flops.py")
+flops = importlib.util.module_from_spec(spec)
+sys.modules.setdefault("flops", flops)  # dataclasses look their module up while the file runs
+spec.loader.exec_module(flops)
+
+TOY = flops.Model(hidden=8, intermediate=16, layers=1, heads=2, kv_heads=1, head_dim=4, vocab=10)
+
+
+def total(method, rows, checkpointing=False, recompute_attention=False, **options):
+    return flops.method_flops(method, TOY, rows, options, checkpointing, recompute_attention)
+
+
+def test_per_token_parts():
+    assert TOY.linear_flops() == 1152
+    assert TOY.attention_flops(4) == 32 * 10  # causal: 1 + 2 + 3 + 4 context tokens
+    assert TOY.attention_flops(2, past=3) == 32 * (4 + 5)
+    assert TOY.head_flops(3) == 480
+    assert TOY.lora_flops(2) == 512  # 2·2·(in + out) per linear: 64 + 96 + 64 + 192 + 96
+
+
+def test_from_config_defaults_head_dim_and_kv_heads():
+    config = SimpleNamespace(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=10)
+    assert flops.Model.from_config(config) == flops.Model(8, 16, 1, 2, 2, 4, 10)
+
+
+def test_sft_forward_backward_and_recompute():
+    # one 4-token row: 4 tokens of linears (4,608), 10 context tokens of attention (320), 3 trained positions (480)
+    plain = total("sft", [(1, [3])])
+    assert (plain["forward"], plain["backward"], plain["recompute"]) == (5408, 2 * (4608 + 480) + 2 * 320, 0)
+    assert plain["total"] == plain["training"] == 16224 and plain["generation"] == 0
+    assert total("sft", [(1, [3])], checkpointing=True)["total"] == 16224 + 4608  # the linears once more
+    assert total("sft", [(1, [3])], checkpointing=True, recompute_attention=True)["total"] == 16224 + 4608 + 320
+
+
+def test_dpo_holds_the_prompt_once_and_runs_the_reference():
+    # prompt 2, chosen 1, rejected 2: 5 tokens, context 3 + (2 + 1) + (4 + 3) = 13, 3 head positions
+    policy_forward = 5 * 1152 + 13 * 32 + 3 * 160
+    out = total("dpo", [(2, [1, 2])])
+    assert out["forward"] == 2 * policy_forward == 13312  # the policy's and the reference's
+    assert out["total"] == 6656 + 13312 + 6656
+    assert total("orpo", [(2, [1, 2])])["total"] == total("cpo", [(2, [1, 2])])["total"] == 6656 + 13312  # no reference
+
+
+def test_dpo_lora_freezes_the_base_and_the_head():
+    out = total("dpo_lora", [(2, [1, 2])], lora=2)
+    lora = 5 * 512
+    assert out["forward"] == (5760 + lora + 416 + 480) + 6656  # the reference has no adapters
+    assert out["backward"] == (5760 + 480) + 2 * (lora + 416)  # base and head: the input's gradient only
+    assert out["lm_head"] == 2 * 480 + 480
+
+
+def test_kto_reward_model():
+    # policy (2, [1]) trains; (2, [2]) its KL pass without grad; the reference scores (2, [1, 2])
+    assert total("kto", [(2, [1, 2])])["total"] == 3808 + 7616 + 5248 + 6656
+    # the score head: 2·8 per sequence, two sequences; no LM head
+    out = total("reward_model", [(2, [1, 2])])
+    assert (out["forward"], out["backward"], out["lm_head"]) == (6208, 12416, 3 * 32)
+
+
+def test_generation_prefills_once_and_decodes_with_a_cache():
+    # prompt 2, 3 new tokens, 2 samples: prefill 2·1152 + 3·32 + 160; decodes at context 3 and 4, each + 1152 + 160
+    assert flops.generation_flops(TOY, flops.Generation(prompt=2, new=3, samples=2)) == 2560 + 2 * (1408 + 1440)
+    grpo = total("grpo", [(2, [3, 3])])
+    assert grpo["generation"] == 8256 and grpo["total"] == 8256 + grpo["training"]
+    assert total("grpo", [(2, [3, 3])], beta=0.04)["forward"] > grpo["forward"]  # the reference joins
+    assert total("online_dpo", [(2, [3, 3])], reference=True)["total"] == total("grpo", [(2, [3, 3])], beta=1)["total"]
+
+
+def test_gkd_expects_lmbda_of_the_steps_on_policy():
+    assert total("gkd", [(2, [1])])["total"] == 3808 + 7616 + 3808  # student and teacher
+    mixed = total("gkd", [(2, [1])], lmbda=0.5, max_new_tokens=3)
+    assert mixed["generation"] == pytest.approx(0.5 * 5408)
+    assert mixed["total"] == pytest.approx(0.5 * 15232 + 0.5 * (6720 + 13440 + 6720 + 5408))
+
+
+def test_gemm_shapes_merge_equal_linears():
+    assert flops.gemm_shapes(TOY, "sft", [(1, [3])], {}) == [(4, 8, 8, 2), (4, 8, 4, 2), (4, 8, 16, 2), (4, 16, 8, 1),
+                                                             (3, 8, 10, 1)]
+    assert flops.gemm_shapes(TOY, "reward_model", [(2, [1, 2])], {})[-1] == (5, 16, 8, 1)  # no LM head
