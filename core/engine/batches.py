@@ -164,6 +164,12 @@ class Rollout:
     is ``[N, K]``, one column per reward function, NaN where a function returned None;
     ``weights`` is ``[K]``. Token-level estimators (GAE) also get per-token ``token_rewards``,
     ``values`` and ``mask``, each ``[N, T]``.
+
+    Multi-turn rollouts carry their turns for turn-level estimators: ``turn_index`` ``[N, T]`` (long)
+    is the model turn (0, 1, ...) each completion token belongs to, −1 for tokens outside every
+    model turn (inserted by an environment, padding); ``turn_rewards`` ``[N, M]`` the per-turn
+    reward an environment gave each model turn, NaN where it gave none. Row i has K_i turns: one
+    past the last turn that holds a token or a reward (at least 1). None for single-turn rollouts.
     """
 
     rewards: Tensor
@@ -172,6 +178,8 @@ class Rollout:
     token_rewards: Tensor | None = None
     values: Tensor | None = None
     mask: Tensor | None = None
+    turn_rewards: Tensor | None = None
+    turn_index: Tensor | None = None
 
     @property
     def total_reward(self) -> Tensor:

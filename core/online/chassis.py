@@ -79,6 +79,7 @@ from .scoring import (
     reward_metrics,
     reward_weights,
     total_reward,
+    turn_reward_metrics,
 )
 
 logger = logging.getLogger("plait")
@@ -702,6 +703,7 @@ class OnlineTrainer(RolloutTrainer):
             draft.batch[vision.KEY] = images
         if self.agent is not None:  # inserted tokens leave the completion mask for the tool mask
             Agent.masks(draft.batch, generations)
+            Agent.turns(draft.batch, generations)  # each token's model turn and each turn's reward
         mask = draft.batch["completion_mask"]
         draft.loss_mask = mask * draft.finished.unsqueeze(-1) if self.args.params.mask_truncated_completions else mask
         return draft
@@ -814,6 +816,8 @@ class OnlineTrainer(RolloutTrainer):
         n = len(draft.prompt_ids)
         start = self.accelerator.process_index * n
         draft.advantages = draft.all_advantages[start:start + n].to(device)
+        if draft.advantages.dim() == 2:  # token-level: every process's rows were padded to the widest
+            draft.advantages = draft.advantages[:, :completion_mask.shape[1]]
         tokens = self.accelerator.gather(draft.loss_mask.sum().reshape(1)).sum().float()
         per_step = tokens / self.accelerator.num_processes  # dapo's normaliser, per process ...
         if self.model.training:  # ... scaled to the share of the generation batch one optimizer step sees
@@ -822,11 +826,17 @@ class OnlineTrainer(RolloutTrainer):
 
     def record_rollout(self, draft: Draft) -> dict:
         batch, n = draft.batch, len(draft.prompt_ids)
-        self._record_rollout(draft.everyone, batch["completion_mask"], draft.finished, draft.all_advantages)
+        advantages, per_row = draft.all_advantages, draft.advantages
+        if advantages.dim() == 2:  # token-level: statistics over the counted tokens, one mean per row in the table
+            advantages = gather_ragged(self.accelerator, draft.advantages[draft.loss_mask.bool()].float())
+            per_row = masked_mean(draft.advantages, draft.loss_mask, dim=1)
+        self._record_rollout(draft.everyone, batch["completion_mask"], draft.finished, advantages)
+        if "turn_rewards" in batch:
+            self.record_turn_rewards(draft.everyone, batch)
         start = self.accelerator.process_index * n
         scores = draft.everyone[start:start + n]
         table = {**{f.name: scores[:, k] for k, f in enumerate(self.reward_funcs)}, **draft.reward_logs.extra,
-                 "advantage": draft.advantages}
+                 "advantage": per_row}
         if draft.columns.get("images") is not None:  # the prompt's image(s), by size
             table = {"image": [vision.describe(vision.load_images(row)) for row in draft.columns["images"]], **table}
         self.keep_completions(draft.prompts, draft.generations.texts, **table)
@@ -877,8 +887,41 @@ class OnlineTrainer(RolloutTrainer):
         """Advantages ``[N_all]`` of every process's completions from their scores ``[N_all, K]``."""
         raise NotImplementedError
 
-    def gather_rollout(self, rewards: Tensor) -> Rollout:
-        return Rollout(rewards=rewards.float().cpu(), weights=self.reward_weights, group_size=self.group_size)
+    def gather_rollout(self, rewards: Tensor, batch: dict | None = None) -> Rollout:
+        """Every process's scores ``[N_all, K]`` as a :class:`Rollout`; for a token-level estimator also every
+        process's completion ``mask`` and, in multi-turn episodes, ``turn_index`` and ``turn_rewards``
+        (all padded to the widest process's; −1 and NaN outside), read from ``batch``."""
+        rollout = Rollout(rewards=rewards.float().cpu(), weights=self.reward_weights, group_size=self.group_size)
+        estimator = getattr(self, "estimator", None)
+        if batch is None or estimator is None or not estimator.component.options.token_level:
+            return rollout
+        turns = {"mask": self.gather_wide(batch["completion_mask"], 0)}
+        if "turn_index" in batch:
+            turns.update(turn_index=self.gather_wide(batch["turn_index"], -1),
+                         turn_rewards=self.gather_wide(batch["turn_rewards"], float("nan")))
+        return attrs.evolve(rollout, **turns)
+
+    def gather_wide(self, values: Tensor, pad) -> Tensor:
+        """Every process's rows of ``values`` ``[n, width]``, padded with ``pad`` to the widest process's, on the CPU."""
+        padded = self.accelerator.pad_across_processes(values, dim=1, pad_index=pad)
+        return self.accelerator.gather(padded).cpu()
+
+    _warned_turns = False
+
+    def record_turn_rewards(self, rewards: Tensor, batch: dict) -> None:
+        """The per-turn reward metrics (:func:`plait.online.scoring.turn_reward_metrics`) of multi-turn episodes,
+        logged only when an environment gave a per-turn reward somewhere in the rollout (any process)."""
+        turn_rewards = self.gather_wide(batch["turn_rewards"], float("nan"))
+        if turn_rewards.isnan().all():
+            return
+        estimator = getattr(self, "estimator", None)
+        if estimator is not None and not estimator.component.options.token_level and not self._warned_turns:
+            self._warned_turns = True
+            logger.warning("plait: the environment gives per-turn rewards, which %s does not read (it scores whole "
+                           "episodes); set advantage_estimator to turn_return or turn_gae to use them", estimator.name)
+        rollout = Rollout(rewards=rewards.float().cpu(), weights=self.reward_weights, group_size=self.group_size,
+                          turn_rewards=turn_rewards, turn_index=self.gather_wide(batch["turn_index"], -1))
+        self.record(turn_reward_metrics(rollout))
 
     # -- the loss ------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -22,11 +22,23 @@ the model (JSON schemas in the prompt) and run by :class:`ToolEnvironment`. Epis
 environment says so, after ``max_turns`` model turns (``max_tool_calling_iterations`` + 1 for
 tools), when the model's turn is cut at the length budget (``max_completion_length`` counts
 every token after the prompt, inserted ones too), or when the next environment turn would not fit.
+
+Per-turn rewards (verl RFC #7244, TRL issue #4543): ``step`` may return ``Step(reward=r)``, the
+reward of the model turn it answers. :class:`Episodes` record for every row the token span of
+each model turn (``turn_spans``) and its reward (``turn_rewards``, None where the environment gave
+none); the online trainer carries them into :class:`plait.engine.batches.Rollout` as
+``turn_rewards`` ``[N, M]`` and ``turn_index`` ``[N, T]`` for turn-level advantage estimators
+(``advantage.turn_return``, ``advantage.turn_gae``). An episode's return is the sum of its turn
+rewards plus its episode reward (``reward()`` and the reward functions), which counts as the last
+turn's: an episode without per-turn rewards is scored exactly as before, at its end. A model
+turn the environment never answers (the episode ended at ``max_turns``, or the turn was cut at
+the budget) has no per-turn reward.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import attrs
@@ -75,15 +87,23 @@ class AgentChoice:
     rollout_func: Any = None
 
 
+def _turn_reward(instance, attribute, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not math.isfinite(value)):
+        raise PlaitError(f"Step(reward={value!r}): a per-turn reward must be a finite number, or None for none")
+
+
 @attrs.frozen
 class Step:
     """An environment's turn: ``messages`` appended to the conversation (tool results, a reply), and
-    whether the episode is ``done``; ``calls`` and ``failures`` count the tool calls it ran."""
+    whether the episode is ``done``; ``calls`` and ``failures`` count the tool calls it ran.
+    ``reward`` is the per-turn reward of the model turn this step answers (None: none)."""
 
     messages: list[dict] = attrs.field(factory=list)
     done: bool = False
     calls: int = 0
     failures: int = 0
+    reward: float | None = attrs.field(default=None, validator=_turn_reward)
 
 
 class Environment:
@@ -101,7 +121,8 @@ class Environment:
         return row["prompt"]
 
     def step(self, text: str, calls: list[ToolCall]) -> Step:
-        """Answer the model's turn (its text without tool calls, and the calls it made)."""
+        """Answer the model's turn (its text without tool calls, and the calls it made); ``Step(reward=r)``
+        gives that turn a reward of its own."""
         return Step(done=True)
 
     def reward(self) -> float | None:
@@ -160,13 +181,18 @@ class Episodes(Generations):
     the model sampled ``completion_ids[i][t]`` and 0 where the environment inserted it;
     ``messages[i]`` the episode after its prompt (assistant, tool, ... messages) for conversational
     prompts, else None; ``rewards[i]`` the environment's reward (None: none); ``columns`` extra
-    per-row values for the reward functions (a rollout_func's fields); ``stats`` per-row counts."""
+    per-row values for the reward functions (a rollout_func's fields); ``stats`` per-row counts.
+    ``turn_spans[i]`` are the ``(start, end)`` offsets in ``completion_ids[i]`` of each model turn and
+    ``turn_rewards[i]`` its per-turn reward (None where the environment gave none); a rollout_func's
+    turns are the runs of its ``env_mask``, without rewards."""
 
     trainable: list[list[int]] = attrs.field(factory=list)
     messages: list[list[dict]] | None = None
     rewards: list[float | None] | None = None
     columns: dict = attrs.field(factory=dict)
     stats: dict = attrs.field(factory=dict)
+    turn_spans: list[list[tuple[int, int]]] = attrs.field(factory=list)
+    turn_rewards: list[list[float | None]] = attrs.field(factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,9 +351,11 @@ class Agent:
             {tokenizer_of(trainer.processing_class).eos_token_id}
         texts = tokenizer_of(trainer.processing_class).batch_decode(completion_ids, skip_special_tokens=True)
         extra = {k: list(v) for k, v in out.items() if k not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
+        spans = [_runs(row) for row in mask]
         return Episodes(prompt_ids=prompt_ids, completion_ids=completion_ids, texts=texts,
                         finished=[bool(ids) and ids[-1] in eos for ids in completion_ids],
-                        logprobs=out["logprobs"], trainable=[list(m) for m in mask], columns=extra)
+                        logprobs=out["logprobs"], trainable=[list(m) for m in mask], columns=extra,
+                        turn_spans=spans, turn_rewards=[[None] * len(row) for row in spans])
 
     def record(self, trainer, episodes: Episodes) -> None:
         stats = episodes.stats
@@ -345,6 +373,23 @@ class Agent:
         batch["tool_mask"] = mask * (1 - trainable)
         batch["completion_mask"] = mask * trainable
 
+    @staticmethod
+    def turns(batch: dict, episodes: Episodes) -> None:
+        """Add each completion token's model turn to ``batch`` (``turn_index`` ``[N, C]``, −1 outside every
+        model turn) and each turn's reward (``turn_rewards`` ``[N, M]``, NaN where none), for
+        turn-level advantage estimators and the per-turn reward metrics."""
+        mask = batch["completion_mask"]
+        index = torch.full(mask.shape, -1, dtype=torch.long)
+        width = max([len(spans) for spans in episodes.turn_spans] + [1])
+        rewards = torch.full((mask.shape[0], width), math.nan)
+        for i, spans in enumerate(episodes.turn_spans):
+            for k, (start, end) in enumerate(spans):
+                index[i, start:end] = k
+            for k, reward in enumerate(episodes.turn_rewards[i] if episodes.turn_rewards else []):
+                if reward is not None:
+                    rewards[i, k] = reward
+        batch["turn_index"], batch["turn_rewards"] = index.to(mask.device), rewards.to(mask.device)
+
 
 def encode_start(processing_class, prompt, tools: Sequence[Tool], template_kwargs: Mapping | None = None) -> list[int]:
     """Token ids of an episode's prompt: conversations rendered with the tools' schemas (``tools=``)
@@ -354,6 +399,18 @@ def encode_start(processing_class, prompt, tools: Sequence[Tool], template_kwarg
         text = render_prompt(processing_class, list(prompt), tools=schemas, template_kwargs=template_kwargs)
         return encode(processing_class, text, special_tokens=False)
     return encode(processing_class, prompt, special_tokens=True)
+
+
+def _runs(mask: Sequence[int]) -> list[tuple[int, int]]:
+    """The ``(start, end)`` spans of the runs of 1 in a trainable mask: a rollout_func's model turns."""
+    spans, start = [], None
+    for t, flag in enumerate(list(mask) + [0]):
+        if flag and start is None:
+            start = t
+        elif not flag and start is not None:
+            spans.append((start, t))
+            start = None
+    return spans
 
 
 def _once(argument, field, name: str):
@@ -377,6 +434,8 @@ def drive(generate: Callable[[list[list[int]], int], Generations], backend, proc
     trainable = [[] for _ in range(n)]
     logprobs: list[list[float]] | None = [[] for _ in range(n)]
     messages = [[] for _ in range(n)]
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    turn_rewards: list[list[float | None]] = [[] for _ in range(n)]
     finished = [False] * n
     stats = {"turns": [0] * n, "tool_calls": [0] * n, "tool_failures": [0] * n, "truncated": [0] * n}
     limit = [env.max_turns or max_turns for env in envs]
@@ -389,6 +448,8 @@ def drive(generate: Callable[[list[list[int]], int], Generations], backend, proc
         for k, i in enumerate(active):
             segment = list(out.completion_ids[k])[:budget - len(ids[i])]
             done = bool(out.finished[k]) and len(segment) == len(out.completion_ids[k])
+            spans[i].append((len(ids[i]), len(ids[i]) + len(segment)))
+            turn_rewards[i].append(None)
             _extend(ids, trainable, logprobs, i, segment, 1, None if out.logprobs is None else out.logprobs[k])
             text = tokenizer.decode(segment, skip_special_tokens=True)
             content, calls = parser(text)
@@ -404,6 +465,8 @@ def drive(generate: Callable[[list[list[int]], int], Generations], backend, proc
             if limit[i] is not None and stats["turns"][i] >= limit[i]:
                 continue
             step = envs[i].step(content, calls)
+            reward = getattr(step, "reward", None)
+            turn_rewards[i][-1] = None if reward is None else float(reward)
             stats["tool_calls"][i] += step.calls
             stats["tool_failures"][i] += step.failures
             if step.done:
@@ -428,7 +491,8 @@ def drive(generate: Callable[[list[list[int]], int], Generations], backend, proc
     return Episodes(prompt_ids=prompt_ids, completion_ids=ids, texts=texts, finished=finished,
                     logprobs=logprobs, trainable=trainable,
                     messages=messages if all(is_conversational(s) for s in starts) else None,
-                    rewards=rewards if any(r is not None for r in rewards) else None, stats=stats)
+                    rewards=rewards if any(r is not None for r in rewards) else None, stats=stats,
+                    turn_spans=spans, turn_rewards=turn_rewards)
 
 
 def _extend(ids, trainable, logprobs, i: int, tokens: list[int], flag: int, scores) -> None:

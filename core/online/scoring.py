@@ -811,3 +811,102 @@ def resolve_advantage_estimator(spec: str | Mapping[str, Any], plugins: Any = No
         raise PlaitError(f"{field} needs a name, e.g. {field}: group or {{name: group, scale: false}}; got {spec!r}")
     component = plugins.advantage_estimators.get(values.pop("name"), family="advantage")
     return AdvantageEstimator(component, component.make_params(**values))
+
+
+# ---------------------------------------------------------------------------------------------
+# Turn-level credit: multi-turn episodes whose environment rewards each model turn
+# ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Turns:
+    """A rollout's turns as turn-level estimators read them (float64): ``rewards`` r_{i,k} ``[N, M]``
+    (0 past the row's last turn), ``present`` ``[N, M]`` (k < K_i), ``scored`` ``[N]`` (the row has
+    any reward) and ``index`` ``[N, T]``, each token's turn (−1: none)."""
+
+    rewards: Tensor
+    present: Tensor
+    scored: Tensor
+    index: Tensor
+
+
+def turns_of(rollout: Rollout, *, who: str = "a turn-level estimator") -> Turns:
+    """r_{i,k}: turn k's per-turn reward (0 where the environment gave none), plus the episode reward
+    R_i = Σ_k w_k·r_ik on row i's last turn K_i − 1. A row with no per-turn reward thus keeps its
+    episode reward at its end, and a row with no turns (``turn_index`` None) is one turn over ``mask``."""
+    reward = total_reward(rollout)
+    index = rollout.turn_index
+    if index is None:
+        if rollout.mask is None:
+            raise PlaitError(f"{who} needs the Rollout's turn_index (multi-turn episodes) or mask [N, T]; use it with "
+                             "grpo, whose online trainer gives them, or pick a sequence-level estimator")
+        index = torch.where(rollout.mask.bool(), 0, -1)
+    index = index.long()
+    n = reward.shape[0]
+    given = rollout.turn_rewards
+    width = max(1, int(index.max()) + 1 if index.numel() else 1, given.shape[1] if given is not None else 1)
+    turn = torch.arange(width)
+    per_turn = torch.full((n, width), math.nan, dtype=torch.float64)
+    if given is not None:
+        per_turn[:, :given.shape[1]] = given.double()
+    last_token = index.amax(dim=1) if index.shape[1] else torch.full((n,), -1)
+    last_reward = torch.where(per_turn.isnan(), -1, turn).amax(dim=1)
+    count = torch.maximum(last_token, last_reward).clamp(min=0) + 1
+    present = turn < count.unsqueeze(1)
+    rewards = torch.where(present, per_turn.nan_to_num(0.0), 0.0)
+    rewards[torch.arange(n), count - 1] += reward.nan_to_num(0.0)
+    scored = ~reward.isnan() | (present & ~per_turn.isnan()).any(dim=1)
+    return Turns(rewards, present, scored, index)
+
+
+def discounted_returns(rewards: Tensor, present: Tensor, gamma: float) -> Tensor:
+    """G_{i,k} = Σ_{j=k}^{K_i−1} γ^{j−k}·r_{i,j} ``[N, M]`` (0 past each row's turns)."""
+    returns = torch.zeros_like(rewards)
+    running = rewards.new_zeros(rewards.shape[0])
+    for k in reversed(range(rewards.shape[1])):
+        running = (rewards[:, k] + gamma * running) * present[:, k]
+        returns[:, k] = running
+    return returns
+
+
+def turn_group_mean_std(values: Tensor, counted: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """Mean and std of ``values`` ``[N, M]`` at each turn index over the rows of each group that count
+    there (``counted``), ``[N, M]`` each; NaN mean and 0 std where no row counts (see :func:`nan_mean_std`)."""
+    n, width = values.shape
+    check_groups(n, group_size)
+    grouped = values.masked_fill(~counted, math.nan).view(-1, group_size, width)
+    mean, std = nan_mean_std(grouped, dim=1, keepdim=True)
+    return mean.expand(-1, group_size, -1).reshape(n, width), std.expand(-1, group_size, -1).reshape(n, width)
+
+
+def turn_baselines(rollout: Rollout, gamma: float, who: str) -> tuple[Turns, Tensor, Tensor, Tensor, Tensor]:
+    """What both turn-level estimators start from: the rollout's :class:`Turns`, the returns G ``[N, M]``, which
+    (row, turn) count (the turn exists and the row is scored), and the group's mean and std of G per turn."""
+    turns = turns_of(rollout, who=who)
+    returns = discounted_returns(turns.rewards, turns.present, gamma)
+    counted = turns.present & turns.scored.unsqueeze(1)
+    mean, std = turn_group_mean_std(returns, counted, rollout.group_size)
+    return turns, returns, counted, mean, std
+
+
+def per_token(turn_values: Tensor, index: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Each token's turn value ``[N, T]`` (float32) from ``[N, M]`` per-turn values; 0 where index < 0 or ``mask`` is 0."""
+    values = torch.where(index >= 0, turn_values.gather(1, index.clamp(min=0)), 0.0).float()
+    return values if mask is None else values * mask.to(values.dtype)
+
+
+def turn_reward_metrics(rollout: Rollout) -> dict[str, float]:
+    """``rewards/turn_<k>/mean``: the mean per-turn reward of turn k (from 1) over the episodes the environment
+    rewarded there; ``rewards/turns/mean``: the mean number of model turns; ``rewards/return/mean``: the mean
+    return Σ_k r_k (per-turn rewards plus the episode reward) of the scored episodes."""
+    turns = turns_of(rollout, who="turn_reward_metrics")
+    given = rollout.turn_rewards.double()
+    metrics = {}
+    for k in range(given.shape[1]):
+        values = given[:, k][turns.present[:, k] & ~given[:, k].isnan()]
+        if values.numel():
+            metrics[f"rewards/turn_{k + 1}/mean"] = values.mean().item()
+    metrics["rewards/turns/mean"] = turns.present.sum(dim=1).double().mean().item()
+    returns = turns.rewards.sum(dim=1)[turns.scored]
+    metrics["rewards/return/mean"] = returns.mean().item() if returns.numel() else math.nan
+    return metrics

@@ -17,7 +17,7 @@ _EXPORTS = {
                   "check_command", "check_component", "check_data_format", "check_environment",
                   "check_generation_backend", "check_judge", "check_loss", "check_method", "check_packing_strategy",
                   "check_params", "check_reward", "check_rollout_filter", "describe", "encoded_rows",
-                  "check_chat_template"),
+                  "check_chat_template", "check_turn_advantage_estimator"),
     "strategies": ("BatchKind", "batch_kind", "batches", "pairwise_rewards", "policy_tokens", "preference_logps",
                    "register_batch_kind", "reward_inputs", "rollouts", "take", "token_distributions", "token_logps",
                    "unpaired_logps", "value_tokens"),

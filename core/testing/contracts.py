@@ -48,7 +48,7 @@ __all__ = [
     "CHECKS", "ContractViolation", "check_advantage_estimator", "check_callbacks", "check_collator", "check_command",
     "check_component", "check_data_format", "check_generation_backend", "check_judge", "check_loss", "check_method",
     "check_packing_strategy", "check_params", "check_reward", "check_rollout_filter", "describe", "encoded_rows",
-    "check_chat_template",
+    "check_chat_template", "check_turn_advantage_estimator",
 ]
 
 # The keyword arguments every reward function receives besides dataset columns.
@@ -547,9 +547,31 @@ def check_reward(
 
 def _regroup(rollout, order: list[int]):
     index = torch.tensor(order)
-    per_row = {n: getattr(rollout, n)[index] for n in ("token_rewards", "values", "mask")
+    per_row = {n: getattr(rollout, n)[index] for n in ("token_rewards", "values", "mask", "turn_index", "turn_rewards")
                if getattr(rollout, n) is not None}
     return _replace(rollout, rewards=rollout.rewards[index], **per_row)
+
+
+def _check_equivariance(drawn_rollouts, estimate: Callable, who: str, max_examples: int) -> None:
+    """Reordering groups, or rows within a group, reorders the advantages alike."""
+
+    @st.composite
+    def with_order(draw):
+        rollout = draw(drawn_rollouts)
+        g = rollout.group_size
+        groups = draw(st.permutations(range(rollout.num_groups)))
+        return rollout, [i * g + j for i in groups for j in draw(st.permutations(range(g)))]
+
+    def equivariant(drawn) -> None:
+        rollout, order = drawn
+        out = estimate(rollout, "permutation equivariance")
+        reordered = estimate(_regroup(rollout, order), "permutation equivariance")
+        if not _close(reordered, out[torch.tensor(order)]):
+            raise ContractViolation(who, "permutation equivariance", f"reordering rows as {order} gives "
+                                    f"{reordered.tolist()}, expected {out[torch.tensor(order)].tolist()}",
+                                    _shown(rollout))
+
+    _for_all(with_order(), equivariant, max_examples)
 
 
 def check_advantage_estimator(
@@ -591,23 +613,7 @@ def check_advantage_estimator(
     _for_all(wide, lambda r: estimate(r, "finite advantages"), max_examples)
     checked += ["shape preserved", "finite advantages"]
 
-    @st.composite
-    def with_order(draw):
-        rollout = draw(rollouts(token_level=token_level))
-        g = rollout.group_size
-        groups = draw(st.permutations(range(rollout.num_groups)))
-        return rollout, [i * g + j for i in groups for j in draw(st.permutations(range(g)))]
-
-    def equivariant(drawn) -> None:
-        rollout, order = drawn
-        out = estimate(rollout, "permutation equivariance")
-        reordered = estimate(_regroup(rollout, order), "permutation equivariance")
-        if not _close(reordered, out[torch.tensor(order)]):
-            raise ContractViolation(who, "permutation equivariance", f"reordering rows as {order} gives "
-                                    f"{reordered.tolist()}, expected {out[torch.tensor(order)].tolist()}",
-                                    _shown(rollout))
-
-    _for_all(with_order(), equivariant, max_examples)
+    _check_equivariance(rollouts(token_level=token_level), estimate, who, max_examples)
     checked.append("permutation equivariance")
 
     if options.is_group_relative:
@@ -634,7 +640,80 @@ def check_advantage_estimator(
     return checked
 
 
-# ---------------------------------------------------------------------------------------------
+def check_turn_advantage_estimator(
+    component_or_name: Component | str,
+    plugins: Plugins | None = None,
+    *,
+    params: dict | None = None,
+    reduces_with: dict | None = None,
+    max_examples: int = DEFAULT_EXAMPLES,
+) -> list[str]:
+    """Check a turn-level advantage estimator (multi-turn episodes with per-turn rewards: a Rollout's
+    ``turn_index`` and ``turn_rewards``); returns the properties it satisfied.
+
+    Properties: advantages ``[N, T]`` like ``turn_index`` and finite; constant within a turn (every
+    token of turn k of a row gets one value); 0 on tokens outside every model turn; permutation
+    equivariance (groups, and rows within a group); and, with ``reduces_with`` (the parameters under
+    which it must, e.g. ``{"gamma": 1.0}``), episode level: without per-turn rewards, where every
+    episode of a group has as many turns, each token gets ``advantage.group``'s advantage of its row
+    (with the estimator's ``scale`` and ``epsilon`` when it has them).
+    """
+    component = _component(component_or_name, "advantage_estimators", plugins)
+    who = _who(component)
+    p = _make_params(component, _base_values(component, params))
+    checked = check_params(component, params)
+
+    def estimate(rollout, prop: str, chosen=p) -> Tensor:
+        try:
+            out = component.obj(rollout, chosen)
+        except Exception as err:  # noqa: BLE001
+            raise ContractViolation(who, prop, f"raised {type(err).__name__}: {err}", _shown(rollout)) from err
+        if not torch.is_tensor(out) or tuple(out.shape) != tuple(rollout.turn_index.shape):
+            got = list(out.shape) if torch.is_tensor(out) else type(out).__name__
+            raise ContractViolation(who, "shape of turn_index", f"expected advantages of shape "
+                                    f"{list(rollout.turn_index.shape)}, got {got}", _shown(rollout))
+        if not torch.isfinite(out).all():
+            raise ContractViolation(who, "finite advantages", f"returned {out.tolist()}", _shown(rollout))
+        return out.detach()
+
+    def per_turn(rollout) -> None:
+        out, index = estimate(rollout, "constant within a turn"), rollout.turn_index
+        if bool((out[index < 0] != 0).any()):
+            raise ContractViolation(who, "0 outside model turns", f"tokens with turn_index -1 got {out.tolist()}",
+                                    _shown(rollout))
+        for k in range(int(index.max()) + 1):
+            at = torch.where(index == k, out, math.nan)
+            spread = (at.nan_to_num(-math.inf).amax(dim=1) - at.nan_to_num(math.inf).amin(dim=1))
+            if bool((spread[(index == k).any(dim=1)] > 1e-6).any()):
+                raise ContractViolation(who, "constant within a turn", f"turn {k}'s tokens differ: {out.tolist()}",
+                                        _shown(rollout))
+
+    wide = rollouts(rewards=WIDE_REWARDS, weights=st.floats(0.0, 2.0), turn_level=True)
+    _for_all(wide, lambda r: estimate(r, "finite advantages"), max_examples)
+    _for_all(rollouts(turn_level=True), per_turn, max_examples)
+    checked += ["shape of turn_index", "finite advantages", "0 outside model turns", "constant within a turn"]
+
+    _check_equivariance(rollouts(turn_level=True), estimate, who, max_examples)
+    checked.append("permutation equivariance")
+
+    if reduces_with is not None:
+        reduced = _make_params(component, {**_base_values(component, params), **reduces_with})
+        group = make_plugins().advantage_estimators.get("advantage.group") if plugins is None else \
+            plugins.advantage_estimators.get("advantage.group")
+        shared = {name: getattr(reduced, name) for name in ("scale", "epsilon") if hasattr(reduced, name)}
+        group_params = group.make_params(**shared)
+
+        def episode_level(rollout) -> None:
+            out = estimate(rollout, "episode level without per-turn rewards", reduced)
+            expected = group.obj(rollout, group_params).unsqueeze(1) * (rollout.turn_index >= 0)
+            if not _close(out, expected.to(out.dtype)):
+                raise ContractViolation(who, "episode level without per-turn rewards", f"with {reduces_with} gives "
+                                        f"{out.tolist()}, advantage.group gives {expected.tolist()}", _shown(rollout))
+
+        _for_all(rollouts(turn_level=True, turn_rewards=False, equal_turns=True), episode_level, max_examples)
+        checked.append("episode level without per-turn rewards")
+    return checked
+
 
 # ---------------------------------------------------------------------------------------------
 # Environments

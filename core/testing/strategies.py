@@ -451,6 +451,10 @@ def rollouts(
     token_level: bool = False,
     max_tokens: int = 6,
     dtype: torch.dtype = torch.float32,
+    turn_level: bool = False,
+    max_turns: int = 3,
+    turn_rewards: bool = True,
+    equal_turns: bool = False,
 ) -> Rollout:
     """A :class:`~plait.engine.batches.Rollout`: ``groups × G`` completions scored by K reward functions.
 
@@ -458,6 +462,12 @@ def rollouts(
     ``all_equal`` every row of a group has the same rewards (or, with ``none``, no reward at
     all). With ``token_level`` it also carries ``token_rewards``, ``values`` and a ``mask``
     ``[N, T]`` whose rows keep a prefix of at least one token.
+
+    With ``turn_level`` it carries multi-turn episodes instead: ``turn_index`` ``[N, T]`` (1 to
+    ``max_turns`` turns per row of one or two tokens each, each maybe followed by an inserted token,
+    −1), ``mask`` (its tokens in a turn) and ``turn_rewards`` ``[N, max_turns]`` (each turn's reward or
+    None as NaN; all NaN without ``turn_rewards``); ``equal_turns`` gives every row of a group as
+    many turns.
     """
     groups = draw(st.integers(min_groups, max_groups))
     size = draw(st.integers(min_group_size, max_group_size))
@@ -479,8 +489,29 @@ def rollouts(
         grid = lambda: _tensor(draw(st.lists(rewards, min_size=n * t, max_size=n * t)), dtype).view(n, t)  # noqa: E731
         extra = dict(token_rewards=grid(), values=grid(),
                      mask=torch.arange(t).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1))
+    if turn_level:
+        extra = _turns(draw, groups, size, max_turns, value if turn_rewards else st.none(), equal_turns, dtype)
     return Rollout(rewards=scores, weights=_tensor(draw(st.lists(weights, min_size=k, max_size=k)), dtype),
                    group_size=size, **extra)
+
+
+def _turns(draw, groups: int, size: int, max_turns: int, value, equal_turns: bool, dtype) -> dict:
+    """turn_index, mask and turn_rewards of ``groups × size`` multi-turn episodes (see :func:`rollouts`)."""
+    counts: list[int] = []
+    for _ in range(groups):
+        shared = draw(st.integers(1, max_turns))
+        counts += [shared if equal_turns else draw(st.integers(1, max_turns)) for _ in range(size)]
+    rows = []
+    for count in counts:
+        row: list[int] = []
+        for k in range(count):
+            row += [k] * draw(st.integers(1, 2)) + [-1] * draw(st.integers(0, 1))
+        rows.append(row)
+    width = max(len(row) for row in rows)
+    index = torch.tensor([row + [-1] * (width - len(row)) for row in rows])
+    given = [[draw(value) if k < count else None for k in range(max_turns)] for count in counts]
+    turn_rewards = _tensor((math.nan if v is None else v for row in given for v in row), dtype).view(-1, max_turns)
+    return dict(turn_index=index, mask=index >= 0, turn_rewards=turn_rewards)
 
 
 SAMPLE_COMPLETIONS = (

@@ -154,7 +154,7 @@ class GRPOTrainer(OnlineTrainer):
     prompt_collator = "collator.prompt_only"
 
     def advantages(self, rewards, *, batch, old_logps, ref_logps) -> torch.Tensor:
-        return self.estimator(self.gather_rollout(rewards))
+        return self.estimator(self.gather_rollout(rewards, batch))  # a turn-level one reads the batch's turns
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """TRL's helper of the same name: the counted tokens (``mask``) whose entropy is at least the
