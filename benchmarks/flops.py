@@ -206,7 +206,8 @@ def reward_model(rows: Sequence[Row], options: Mapping) -> list[Step]:
 
 
 def kto(rows: Sequence[Row], options: Mapping) -> list[Step]:
-    """The policy trains on (prompt, completion), scores (prompt, KL completion) without grad; the reference scores both."""
+    """The policy trains on (prompt, completion) and scores (prompt, KL completion) without grad; the reference
+    scores both."""
     policy = [(p, c[:1]) for p, c in rows]
     kl = [(p, c[1:]) for p, c in rows]
     return [Step([Pass(segments(policy)), Pass(segments(kl), train=False), Pass(segments(rows), train=False)])]

@@ -1,13 +1,14 @@
 """plait and TRL 1.16 side by side: seconds per step, tokens per second and peak RSS per method.
 
-    .venv-trl/bin/python benchmarks/trl_side_by_side.py [--methods sft,dpo,dpo_lora,kto,reward_model,grpo]
-        [--lengths 128,512] [--settings defaults,equal,checkpointed] [--steps 3] [--rounds 1] [--libraries plait,trl]
-        [--model FOLDER]
+    .venv-trl/bin/python benchmarks/trl_side_by_side.py
+        [--methods sft,dpo,dpo_lora,kto,reward_model,grpo,orpo,cpo,online_dpo,gkd] [--lengths 128,512]
+        [--settings defaults,equal,checkpointed] [--steps 3] [--rounds 1] [--libraries plait,trl] [--model FOLDER]
 
 Runs in the parity venv (`make test-parity` builds it: TRL 1.16 beside an editable plait), never in
 the main one. Each run is a fresh process (its peak RSS is its own) that builds the trainer with
 ``from trl import ...`` or ``from plait import ...`` — the same script, the import is the only
-difference, as for a user porting a run — and trains ``--steps`` + 1 optimizer steps; the first is
+difference, as for a user porting a run (TRL 1.16 keeps ORPO, CPO, online DPO and GKD in
+``trl.experimental.<method>``; ``MODULES`` says where) — and trains ``--steps`` + 1 optimizer steps; the first is
 warm-up. Runs are interleaved (every library and setting once per round, in turn) so machine load
 hits both alike; the 1-minute load average is recorded beside each run.
 
@@ -21,13 +22,37 @@ The model is SmolLM2-135M-Instruct (``examples/smollm2.py`` converts it once fro
 wheel) unless ``--model`` names another folder. Rows are built from single-token words so every row
 tokenises to exactly the asked length: SFT rows of ``L`` tokens; preference rows of an ``L/2``-token
 prompt and ``L/2``-token completions; GRPO prompts of ``L`` tokens with 4 completions of 32 new
-tokens (batch 4 prompts' completions, one group). ``--ragged`` draws each part's length at random
+tokens (batch 4 prompts' completions, one group); ORPO and CPO the preference rows; online DPO
+batches of 4 prompts of ``L`` tokens, a pair of 32-token samples each, judged by a length reward
+(``reward_funcs``), ``max_length`` L + 32; GKD chats (``messages``: the user's turn, then the
+assistant's) of about ``L`` tokens after the chat template, half each, the same folder as teacher,
+``lmbda=0`` on both libraries (TRL's 0.5 flips a coin per step, so a step's work and time would be
+a draw: every step distils on the dataset's completions; ``--extra '{"lmbda": 0.5}'`` restores the
+coin, and the FLOP count then takes its expectation). ``--ragged`` draws each part's length at random
 up to those sizes instead, as real data has them, so padded batches carry padding and plait's
 padding-free default drops it (plait's batches also hold each prompt once, ``prefix_sharing``;
 ``--extra '{"prefix_sharing": false}'`` measures plait without it); ragged GRPO steps hold two groups (two prompts of different lengths,
 8 completions) so its prompts pad too. Writes benchmarks/results/trl_side_by_side.json (``--ragged``:
 trl_side_by_side_ragged.json; another machine's runs: ``--results FILE``) and prints the table. Each
 run records the CPU's bf16 units as plait reads them, which decide plait's precision default.
+
+FLOP fraction. Each run also reports the model FLOPs of a step as benchmarks/flops.py counts them
+(``tflop_per_step``; ``training_tflop_per_step`` and ``generation_tflop_per_step`` apart for the
+online methods; ``flops_by_part``: forward, backward, recompute, LM head): the work the method needs
+— each prompt once per pass, the LM head only at positions whose log-prob the loss reads, cached
+decoding, checkpointing's recompute without attention (plait keeps attention's outputs, TRL
+recomputes them) — counted alike for both libraries, so extra work shows as a lower fraction.
+``achieved_tflop_s`` is that over the measured s/step. After the timed steps, in the same process,
+``torch.nn.functional.linear`` is timed on each distinct linear shape of the model (q, k/v, o,
+gate/up, down with M = the tokens of the step's training forward; the LM head with M = its head
+positions), the three GEMMs of a linear in training each (forward, input gradient, weight gradient),
+best of 2 to 50 repetitions (0.1 s) after a warm-up, in the run's dtype (bf16 under autocast when the run
+trains in bf16, else fp32): ``matmul_peak_tflop_s`` is their FLOP-weighted throughput (all their
+FLOPs over the time they take at those rates, each shape weighted by its count in the model), and
+``best_gemm_tflop_s`` the fastest one. ``flop_fraction`` = achieved / peak; the summary holds it as
+``plait_flop_fraction`` and ``trl_flop_fraction`` beside ``plait_tflops_per_s`` and
+``trl_tflops_per_s``. Generation's decode GEMMs (M = a few rows) run far below this peak, so an
+online method's fraction is low by nature; the peak is the training shapes' rate.
 """
 
 from __future__ import annotations
@@ -44,12 +69,48 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # flops.py beside this file
+import flops  # noqa: E402
+
 RESULTS = HERE / "results" / "trl_side_by_side.json"
-METHODS = ("sft", "dpo", "dpo_lora", "kto", "reward_model", "grpo")
-CONFIG = {"sft": "SFT", "dpo": "DPO", "dpo_lora": "DPO", "kto": "KTO", "reward_model": "Reward", "grpo": "GRPO"}
-BATCH, GENERATIONS, NEW_TOKENS = 4, 4, 32
+METHODS = ("sft", "dpo", "dpo_lora", "kto", "reward_model", "grpo", "orpo", "cpo", "online_dpo", "gkd")
+CONFIG = {"sft": "SFT", "dpo": "DPO", "dpo_lora": "DPO", "kto": "KTO", "reward_model": "Reward", "grpo": "GRPO",
+          "orpo": "ORPO", "cpo": "CPO", "online_dpo": "OnlineDPO", "gkd": "GKD"}
+# where a library keeps a method's trainer when not at its top level (TRL 1.16's experimental ones)
+MODULES = {"trl": {"orpo": "trl.experimental.orpo", "cpo": "trl.experimental.cpo",
+                   "online_dpo": "trl.experimental.online_dpo", "gkd": "trl.experimental.gkd"}}
+# the rows each method trains on: plain text, preference pairs, unpaired (KTO), prompts alone, chats
+ROWS = {"sft": "text", "dpo": "pair", "dpo_lora": "pair", "reward_model": "pair", "orpo": "pair", "cpo": "pair",
+        "kto": "unpaired", "grpo": "prompt", "online_dpo": "prompt", "gkd": "chat"}
+BATCH, GENERATIONS, NEW_TOKENS, LORA_RANK = 4, 4, 32, 16
+SAMPLES = {"grpo": GENERATIONS, "online_dpo": 2}  # completions an online method samples per prompt
+LAYOUT_OPTIONS = {"dpo_lora": {"lora": LORA_RANK}, "online_dpo": {"reference": True}}  # for flops.LAYOUTS
 SETTINGS = {"equal": dict(bf16=False, gradient_checkpointing=False),  # what each setting fixes; defaults fix nothing
             "checkpointed": dict(bf16=False, gradient_checkpointing=True)}
+
+
+def method_args(method: str, length: int, groups: int) -> dict:
+    """Config fields a method's runs fix on both libraries: the lengths, and GKD's lmbda."""
+    online = dict(num_generations=GENERATIONS, max_completion_length=NEW_TOKENS,
+                  per_device_train_batch_size=groups * GENERATIONS, generation_batch_size=groups * GENERATIONS)
+    return {"grpo": online,
+            "online_dpo": dict(max_new_tokens=NEW_TOKENS, max_length=length + NEW_TOKENS),  # prompt + completion
+            "gkd": dict(max_new_tokens=NEW_TOKENS, max_length=length, lmbda=0.0),  # the dataset's completions only
+            }.get(method, dict(max_length=length))
+
+
+def trainer_kwargs(method: str, model: str) -> dict:
+    """What a method's trainer takes beyond model, args, data and tokenizer."""
+    return {"dpo_lora": lambda: {"peft_config": lora_config()}, "grpo": lambda: {"reward_funcs": length_reward},
+            "online_dpo": lambda: {"reward_funcs": length_reward},
+            "gkd": lambda: {"teacher_model": model},  # the student's own folder: teacher and student alike
+            }.get(method, dict)()
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
 def single_token_words(tokenizer, n: int = 400) -> list[str]:
@@ -72,29 +133,64 @@ def rows(method: str, length: int, tokenizer, count: int, ragged: bool = False) 
     text = lambda k: "".join(rng.choice(words) for _ in range(k)).lstrip()  # noqa: E731 (lstrip: 1 token less)
     size = (lambda k, low=1: rng.randint(max(low, 1), k)) if ragged else (lambda k, low=1: k)  # noqa: E731
     half = length // 2
-    if method == "sft":
+    kind = ROWS[method]
+    if kind == "text":
         return [{"text": text(size(length - 1, length // 8))} for _ in range(count)]  # + EOS
-    if method in ("dpo", "dpo_lora", "reward_model"):
+    if kind == "pair":
         return [{"prompt": text(size(half, half // 4)), "chosen": " " + text(size(half - 2)),
                  "rejected": " " + text(size(half - 2))} for _ in range(count)]
-    if method == "kto":
+    if kind == "unpaired":
         return [{"prompt": text(size(half, half // 4)), "completion": " " + text(size(half - 2)), "label": i % 2 == 0}
                 for i in range(count)]
+    if kind == "chat":  # each half of the chat template's tokens (system prompt, turn markers) and the words
+        frame_prompt, frame_completion = chat_tokens(tokenizer, chat("x", "x"))
+        return [chat(text(size(max(half - frame_prompt, 1), half // 8)), text(size(max(half - frame_completion, 1))))
+                for _ in range(count)]
     return [{"prompt": text(size(length, length // 8))} for _ in range(count)]
 
 
-def tokens_per_step(method: str, data: list[dict]) -> float:
-    """Tokens a step's forward reads, on average over the rows (single-token words: words are tokens)."""
-    words = lambda text: len(text.split())  # noqa: E731
-    if method in ("dpo", "dpo_lora", "reward_model"):  # the chosen and the rejected row, + EOS each
-        per_row = [2 * words(r["prompt"]) + words(r["chosen"]) + words(r["rejected"]) + 2 for r in data]
-    elif method == "kto":
-        per_row = [words(r["prompt"]) + words(r["completion"]) + 1 for r in data]
-    elif method == "grpo":  # a group's prompt, once per completion, BATCH completions a group
-        per_row = [words(r["prompt"]) + NEW_TOKENS for r in data]
-    else:
-        per_row = [words(r["text"]) + 1 for r in data]
-    return BATCH * sum(per_row) / len(per_row)
+def chat(prompt: str, completion: str) -> dict:
+    return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]}
+
+
+def chat_tokens(tokenizer, row: dict) -> tuple[int, int]:
+    """A chat row's prompt tokens (up to the assistant's turn) and completion tokens (the rest), templated."""
+    count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    prompt = tokenizer.apply_chat_template(row["messages"][:-1], add_generation_prompt=True, tokenize=False)
+    whole = tokenizer.apply_chat_template(row["messages"], tokenize=False)
+    return count(prompt), count(whole) - count(prompt)
+
+
+def token_rows(method: str, data: list[dict], tokenizer) -> list[flops.Row]:
+    """Each row's tokens as ``flops.Row``: (prompt, [completions]), completions with their EOS; SFT's
+    (1, [T - 1]); KTO's second completion is its KL pair's (the row before it in its batch, as TRL's);
+    an online method's are its samples at full length."""
+    count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    kind = ROWS[method]
+    if kind == "text":
+        return [(1, [count(r["text"])]) for r in data]  # + EOS - the first token
+    if kind == "pair":
+        return [(count(r["prompt"]), [count(r["chosen"]) + 1, count(r["rejected"]) + 1]) for r in data]
+    if kind == "unpaired":
+        completions = [count(r["completion"]) + 1 for r in data]
+        partner = lambda i: i - 1 if i % BATCH else i + BATCH - 1  # noqa: E731 (completions cycle within a batch)
+        return [(count(r["prompt"]), [completions[i], completions[partner(i)]]) for i, r in enumerate(data)]
+    if kind == "chat":
+        return [(p, [c]) for p, c in (chat_tokens(tokenizer, r) for r in data)]
+    return [(count(r["prompt"]), [NEW_TOKENS] * SAMPLES[method]) for r in data]
+
+
+def rows_per_step(method: str, groups: int) -> int:
+    """Rows of the data one optimizer step reads: GRPO's are groups of GENERATIONS completions."""
+    return groups if method == "grpo" else BATCH
+
+
+def tokens_per_step(method: str, layout: list[flops.Row], groups: int = 1) -> float:
+    """Tokens a step's forward reads, on average over the rows: the prompt once per completion (KTO's
+    KL completion left out), as a batch without prompt sharing holds them."""
+    trained = (lambda cs: cs[:1]) if ROWS[method] == "unpaired" else (lambda cs: cs)  # noqa: E731
+    per_row = [sum(p + c for c in trained(cs)) for p, cs in layout]
+    return rows_per_step(method, groups) * sum(per_row) / len(per_row)
 
 
 def length_reward(completions, **kwargs):
@@ -102,8 +198,9 @@ def length_reward(completions, **kwargs):
 
 
 def worker(spec: dict) -> dict:
-    """One run: build the trainer from ``spec['library']`` and time its steps."""
-    library = importlib.import_module(spec["library"])  # first, as a user's script imports it (plait.engine.memory)
+    """One run: build the trainer from ``spec['library']``, time its steps, then the matmul peak."""
+    importlib.import_module(spec["library"])  # first, as a user's script imports it (plait.engine.memory)
+    library = importlib.import_module(MODULES.get(spec["library"], {}).get(spec["method"], spec["library"]))
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -117,27 +214,17 @@ def worker(spec: dict) -> dict:
         args.update(SETTINGS[spec["setting"]])
     if "gradient_checkpointing" in spec:  # benchmarks/gradient_checkpointing.py: on and off, the rest as set
         args.update(gradient_checkpointing=spec["gradient_checkpointing"])
+    groups = grpo_groups(spec) if method == "grpo" else 1  # batches of BATCH rows, or of groups of GENERATIONS
+    args.update(method_args(method, length, groups))
     args.update(spec.get("extra", {}))  # --extra: fields of both libraries' configs, for experiments
     if spec["library"] == "trl":
         args.update(use_cpu=True)  # TRL's bf16 default is refused on a CPU without it
-    groups = grpo_groups(spec) if method == "grpo" else 1  # batches of BATCH rows, or of groups of GENERATIONS
-    if method == "grpo":
-        args.update(num_generations=GENERATIONS, max_completion_length=NEW_TOKENS,
-                    per_device_train_batch_size=groups * GENERATIONS, generation_batch_size=groups * GENERATIONS)
-    else:
-        args.update(max_length=length)
     config = getattr(library, f"{CONFIG[method]}Config")(**args)
     trainer_cls = getattr(library, f"{CONFIG[method]}Trainer")
     listed = rows(method, length, tokenizer, BATCH * (steps + 1), ragged=spec.get("ragged", False))
     data = Dataset.from_list(listed)
-    kwargs = dict(model=spec["model"], args=config, train_dataset=data, processing_class=tokenizer)
-    if method == "grpo":
-        kwargs["reward_funcs"] = length_reward
-    if method == "dpo_lora":
-        from peft import LoraConfig
-
-        kwargs["peft_config"] = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = trainer_cls(**kwargs)
+    trainer = trainer_cls(model=spec["model"], args=config, train_dataset=data, processing_class=tokenizer,
+                          **trainer_kwargs(method, spec["model"]))
     stamps: list[float] = []
 
     class Clock(TrainerCallback):
@@ -147,10 +234,62 @@ def worker(spec: dict) -> dict:
     trainer.add_callback(Clock())
     trainer.train()
     seconds = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
-    return {"s_per_step": seconds, "tokens_per_s": groups * tokens_per_step(method, listed) / seconds,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "bf16": bool(trainer.args.bf16), "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
-            "cpu": cpu_kind()}
+    layout = token_rows(method, listed, tokenizer)
+    out = {"s_per_step": seconds, "tokens_per_s": tokens_per_step(method, layout, groups) / seconds,
+           "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           "bf16": bool(trainer.args.bf16), "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
+           "cpu": cpu_kind()}
+    return {**out, **flop_fraction(method, trainer, layout, groups, seconds)}
+
+
+def flop_fraction(method: str, trainer, layout: list[flops.Row], groups: int, seconds: float) -> dict:
+    """The step's model FLOPs (benchmarks/flops.py), achieved FLOP/s, and their fraction of the matmul
+    peak measured now on the step's GEMM shapes, in the run's dtype (its bf16 autocast, else fp32)."""
+    model = flops.Model.from_config(trainer.model.config)
+    options = {**LAYOUT_OPTIONS.get(method, {}),
+               **{k: getattr(trainer.args, k) for k in ("beta", "lmbda", "max_new_tokens") if hasattr(trainer.args, k)}}
+    per_row = flops.method_flops(method, model, layout, options, bool(trainer.args.gradient_checkpointing))
+    count = {k: v * rows_per_step(method, groups) / len(layout) for k, v in per_row.items()}
+    peak = matmul_peak(flops.gemm_shapes(model, method, layout[:rows_per_step(method, groups)], options),
+                       bool(trainer.args.bf16))
+    achieved = count["total"] / seconds
+    return {"tflop_per_step": count["total"] / 1e12, "training_tflop_per_step": count["training"] / 1e12,
+            "generation_tflop_per_step": count["generation"] / 1e12,
+            "flops_by_part": {k: count[k] / 1e12 for k in ("forward", "backward", "recompute", "lm_head")},
+            "achieved_tflop_s": achieved / 1e12, **peak,
+            "flop_fraction": achieved / (peak["matmul_peak_tflop_s"] * 1e12)}
+
+
+def matmul_peak(shapes: list[tuple[int, int, int, int]], bf16: bool, budget_s: float = 0.1, most: int = 50) -> dict:
+    """FLOP-weighted matmul throughput over ``shapes`` (M, in, out, how many): each shape's three training
+    GEMMs (forward X·Wᵀ, input gradient dY·W, weight gradient dYᵀ·X) timed with F.linear after a
+    warm-up, best of at least 2 and up to ``most`` repetitions within ``budget_s`` (many for a small GEMM,
+    so a moment of another process's load does not decide its rate); the peak is all their FLOPs over
+    the time they would take at those rates. Also the best single GEMM's rate, and every GEMM's."""
+    import torch
+    import torch.nn.functional as F
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    work = elapsed = best = 0.0
+    rates: list[list] = []  # [M, in, out, forward, input grad, weight grad] in TFLOP/s
+    started = time.perf_counter()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        for m, i, o, count in shapes:
+            x, w, dy = (torch.randn(*size, dtype=dtype) for size in ((m, i), (o, i), (m, o)))
+            rates.append([m, i, o])
+            for a, b in ((x, w), (dy, w.t()), (dy.t(), x.t())):
+                F.linear(a, b)  # warm-up
+                times = []
+                while len(times) < 2 or (len(times) < most and sum(times) < budget_s):
+                    tick = time.perf_counter()
+                    F.linear(a, b)
+                    times.append(time.perf_counter() - tick)
+                flop = 2 * m * i * o
+                rate = flop / min(times)
+                rates[-1].append(round(rate / 1e12, 3))
+                work, elapsed, best = work + count * flop, elapsed + count * flop / rate, max(best, rate)
+    return {"matmul_peak_tflop_s": work / elapsed / 1e12, "best_gemm_tflop_s": best / 1e12,
+            "gemm_tflop_s": rates, "peak_measured_s": time.perf_counter() - started}
 
 
 def model_folder(given: str | None) -> str:
@@ -209,6 +348,9 @@ def summary(runs: list[dict]) -> dict:
                     "speedup": mean(ok["trl"], "s_per_step") / mean(ok["plait"], "s_per_step"),
                     "plait_tokens_per_s": mean(ok["plait"], "tokens_per_s"),
                     "memory_ratio": mean(ok["plait"], "peak_rss_mib") / mean(ok["trl"], "peak_rss_mib"),
+                    **{f"{lib}_{name}": mean(ok[lib], field) for lib in ("plait", "trl")
+                       for name, field in (("flop_fraction", "flop_fraction"), ("tflops_per_s", "achieved_tflop_s"))
+                       if all(field in r for r in ok[lib])},  # runs before the FLOP count have none
                     "load_1min": [round(r["load_1min"], 1) for rs in ok.values() for r in rs]}
         if note:
             out[key]["note"] = note
@@ -262,6 +404,21 @@ def main() -> None:
                                    "commands": commands, "summary": table, "runs": kept + runs}, indent=1))
     for key, row in table.items():
         print(key, json.dumps(row))
+    print_table(table)
+
+
+def print_table(table: dict) -> None:
+    """The summary as a table: s/step of each library, speed-up, peak RSS ratio, FLOP fraction of each."""
+    cell = lambda row, k, fmt: format(row[k], fmt) if k in row else "-"  # noqa: E731
+    print(f"{'method@length/setting':<36} {'plait s':>8} {'TRL s':>8} {'speed-up':>8} {'RSS':>5} "
+          f"{'plait FLOP%':>11} {'TRL FLOP%':>9}")
+    for key, row in table.items():
+        if "speedup" not in row:
+            print(f"{key:<36} errors: {json.dumps(row)}")
+            continue
+        print(f"{key:<36} {row['plait_s_per_step']:>8.2f} {row['trl_s_per_step']:>8.2f} {row['speedup']:>7.2f}x "
+              f"{row['memory_ratio']:>5.2f} {cell(row, 'plait_flop_fraction', '>11.1%')} "
+              f"{cell(row, 'trl_flop_fraction', '>9.1%')}")
 
 
 def identity(run_: dict) -> tuple:

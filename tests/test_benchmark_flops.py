@@ -35,7 +35,8 @@ def test_per_token_parts():
 
 
 def test_from_config_defaults_head_dim_and_kv_heads():
-    config = SimpleNamespace(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=10)
+    config = SimpleNamespace(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                             vocab_size=10)
     assert flops.Model.from_config(config) == flops.Model(8, 16, 1, 2, 2, 4, 10)
 
 
