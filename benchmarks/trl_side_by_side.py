@@ -50,8 +50,9 @@ best of 2 to 50 repetitions (0.1 s) after a warm-up, in the run's dtype (bf16 un
 trains in bf16, else fp32): ``matmul_peak_tflop_s`` is their FLOP-weighted throughput (all their
 FLOPs over the time they take at those rates, each shape weighted by its count in the model), and
 ``best_gemm_tflop_s`` the fastest one. ``flop_fraction`` = achieved / peak; the summary holds it as
-``plait_flop_fraction`` and ``trl_flop_fraction`` beside ``plait_tflops_per_s`` and
-``trl_tflops_per_s``. Generation's decode GEMMs (M = a few rows) run far below this peak, so an
+``plait_flop_fraction`` and ``trl_flop_fraction`` beside ``plait_tflops_per_s``,
+``trl_tflops_per_s`` and each run's peak (``plait_peak_tflop_s``, ``trl_peak_tflop_s``: the same
+shapes, so under load they differ by the load alone). Generation's decode GEMMs (M = a few rows) run far below this peak, so an
 online method's fraction is low by nature; the peak is the training shapes' rate.
 """
 
@@ -349,7 +350,8 @@ def summary(runs: list[dict]) -> dict:
                     "plait_tokens_per_s": mean(ok["plait"], "tokens_per_s"),
                     "memory_ratio": mean(ok["plait"], "peak_rss_mib") / mean(ok["trl"], "peak_rss_mib"),
                     **{f"{lib}_{name}": mean(ok[lib], field) for lib in ("plait", "trl")
-                       for name, field in (("flop_fraction", "flop_fraction"), ("tflops_per_s", "achieved_tflop_s"))
+                       for name, field in (("flop_fraction", "flop_fraction"), ("tflops_per_s", "achieved_tflop_s"),
+                                           ("peak_tflop_s", "matmul_peak_tflop_s"))
                        if all(field in r for r in ok[lib])},  # runs before the FLOP count have none
                     "load_1min": [round(r["load_1min"], 1) for rs in ok.values() for r in rs]}
         if note:

@@ -94,3 +94,30 @@ def test_gemm_shapes_merge_equal_linears():
     assert flops.gemm_shapes(TOY, "sft", [(1, [3])], {}) == [(4, 8, 8, 2), (4, 8, 4, 2), (4, 8, 16, 2), (4, 16, 8, 1),
                                                              (3, 8, 10, 1)]
     assert flops.gemm_shapes(TOY, "reward_model", [(2, [1, 2])], {})[-1] == (5, 16, 8, 1)  # no LM head
+
+
+def side_by_side():
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import trl_side_by_side
+
+    return trl_side_by_side
+
+
+def test_matmul_peak_is_the_flop_weighted_rate_of_the_gemms_it_timed():
+    peak = side_by_side().matmul_peak([(16, 8, 8, 3), (4, 8, 32, 1)], bf16=False, budget_s=0.001, most=3)
+    work = [3 * 2 * 16 * 8 * 8] * 3 + [2 * 4 * 8 * 32] * 3
+    rates = [r for shape in peak["gemm_tflop_s"] for r in shape[3:]]
+    assert [shape[:3] for shape in peak["gemm_tflop_s"]] == [[16, 8, 8], [4, 8, 32]] and len(rates) == 6
+    assert peak["matmul_peak_tflop_s"] <= peak["best_gemm_tflop_s"]
+    assert peak["best_gemm_tflop_s"] == pytest.approx(max(rates), rel=0.01, abs=1e-3)
+
+
+def test_summary_carries_each_librarys_flop_fraction():
+    run = dict(method="orpo", length=128, setting="defaults", s_per_step=2.0, tokens_per_s=1.0, peak_rss_mib=100.0,
+               load_1min=1.0, bf16=True, gradient_checkpointing=True)
+    runs = [{**run, "library": "plait", "flop_fraction": 0.2, "achieved_tflop_s": 0.1, "matmul_peak_tflop_s": 0.5},
+            {**run, "library": "trl", "s_per_step": 4.0, "flop_fraction": 0.1, "achieved_tflop_s": 0.05,
+             "matmul_peak_tflop_s": 0.5}]
+    row = side_by_side().summary(runs)["orpo@128/defaults"]
+    assert (row["speedup"], row["plait_flop_fraction"], row["trl_flop_fraction"], row["trl_tflops_per_s"]) == (
+        2.0, 0.2, 0.1, 0.05)
