@@ -17,7 +17,10 @@ What is checked follows from what the component declared when it registered:
   ``columns=`` (dataset columns it reads; also found from required keyword parameters and from
   a ``column``/``*_column`` parameter);
 * advantage estimators: ``token_level=True`` (advantages ``[N, T]`` from values and masks),
-  ``zero_mean_per_group=True`` (check it), ``group_relative=False`` (skip all-equal → 0).
+  ``zero_mean_per_group=True`` (check it), ``group_relative=False`` (skip all-equal → 0);
+  :func:`check_turn_advantage_estimator` adds the turn-level properties of an estimator of
+  multi-turn episodes (one advantage per turn, 0 outside turns, episode level without per-turn
+  rewards), called by name since registration does not declare an estimator turn-level.
 """
 
 from __future__ import annotations
