@@ -107,6 +107,7 @@ class AdvantageOptions(Options):
 
     zero_mean_per_group: bool = flag()
     token_level: bool = flag()  # advantages [N, T] (from values and per-token rewards), not [N]
+    turn_level: bool = flag()  # one advantage per model turn of a multi-turn episode (Rollout.turn_rewards), [N, T]
     group_relative: bool | None = attrs.field(default=None, validator=optional(instance_of(bool)))
 
     @property

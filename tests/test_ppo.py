@@ -284,6 +284,7 @@ def test_a_plugin_can_replace_the_kl_controller(tmp_path):
     ({"reward_model": None}, {}, "needs exactly one reward source"),
     ({}, {"reward_funcs": ["think_format"]}, "got reward_model and reward_funcs"),
     ({}, {"advantage_estimator": "group"}, "PPO needs a token-level estimator"),
+    ({}, {"advantage_estimator": "turn_return"}, "PPO samples one episode per prompt"),
     ({}, {"kl_estimator": "k2"}, "kl_estimator='k2' must be one of k1, k3"),
     ({}, {"loss": ["dapo"]}, "unknown loss 'dapo'"),
     ({}, {"num_ppo_epochs": 0}, "num_ppo_epochs=0 must be an integer >= 1"),

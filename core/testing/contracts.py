@@ -590,7 +590,8 @@ def check_advantage_estimator(
     ``token_level=True``) and finite, whatever the rewards (None included); permutation
     equivariance (reordering groups, or rows within a group, reorders the advantages alike —
     catches rows grouped by the wrong stride); an all-equal group gets zeros (group-relative
-    estimators, the default for sequence level); zero mean per group (``zero_mean_per_group=True``).
+    estimators, the default for sequence level); zero mean per group (``zero_mean_per_group=True``);
+    with ``turn_level=True``, those of :func:`check_turn_advantage_estimator` too.
     """
     component = _component(component_or_name, "advantage_estimators", plugins)
     who, options = _who(component), component.options
@@ -640,6 +641,9 @@ def check_advantage_estimator(
 
         _for_all(rollouts(token_level=token_level), zero_mean, max_examples)
         checked.append("zero mean per group")
+    if options.turn_level:  # and the properties of advantages per turn (check_turn_advantage_estimator)
+        checked += [c for c in check_turn_advantage_estimator(component, plugins, params=params, max_examples=max_examples)
+                    if c not in checked]
     return checked
 
 

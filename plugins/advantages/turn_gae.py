@@ -50,5 +50,5 @@ def turn_gae_advantage(rollout: Rollout, p: TurnGAEParams) -> torch.Tensor:
 
 @hookimpl
 def register_advantage_estimators(register):
-    register("advantage.turn_gae", turn_gae_advantage, params=TurnGAEParams, token_level=True,
+    register("advantage.turn_gae", turn_gae_advantage, params=TurnGAEParams, token_level=True, turn_level=True,
              doc="GAE over turns with the group's mean return per turn as the value (multi-turn credit)")

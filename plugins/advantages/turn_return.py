@@ -46,5 +46,5 @@ def turn_return_advantage(rollout: Rollout, p: TurnReturnParams) -> torch.Tensor
 
 @hookimpl
 def register_advantage_estimators(register):
-    register("advantage.turn_return", turn_return_advantage, params=TurnReturnParams, token_level=True,
+    register("advantage.turn_return", turn_return_advantage, params=TurnReturnParams, token_level=True, turn_level=True,
              doc="Per-turn discounted returns, normalised per turn within the group (multi-turn credit)")

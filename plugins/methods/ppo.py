@@ -308,6 +308,10 @@ class PPOTrainer(RolloutTrainer):
         if not self.estimator.component.options.token_level:
             raise PlaitError(f"advantage_estimator {self.estimator.name!r} gives one advantage per sequence; PPO needs a "
                              "token-level estimator such as advantage.gae")
+        if self.estimator.component.options.turn_level:  # its baseline is the group's; PPO's groups are of one
+            raise PlaitError(f"advantage_estimator {self.estimator.name!r} compares each turn with the other episodes of "
+                             "its prompt, and PPO samples one episode per prompt (all its advantages would be 0); use "
+                             "advantage.gae, or GRPO for per-turn credit")
         # validate() may run on a bare instance (recipe checks): arguments of __init__ may be absent.
         given = getattr(self, "_reward_spec", None)
         sources = {name: value for name, value in (("reward_model", given), ("reward_funcs", p.reward_funcs),
