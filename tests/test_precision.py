@@ -157,3 +157,35 @@ def test_sft_on_a_bf16_checkpoint_changes_every_weight_and_pure_bf16_says_why_it
         lost = unchanged_after_training("pure-bf16", dtype="bfloat16")
     assert lost, "pure bf16 weights at lr 2e-5 should lose some updates (what this test guards against)"
     assert f"{len(initial)} of {len(initial)} trainable weight tensors are bfloat16" in caplog.text
+
+
+# -- under autocast the rotary tables come in the autocast's dtype (plait.engine.autocast) ---------------
+
+
+def test_rotary_tables_follow_autocast_and_change_nothing_without_it():
+    from transformers import AutoModelForCausalLM
+
+    from plait.engine.autocast import rotary_in_compute_dtype
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_path())
+    hooked = AutoModelForCausalLM.from_pretrained(tiny_model_path())
+    assert rotary_in_compute_dtype(hooked) == 1 and rotary_in_compute_dtype(hooked) == 0  # once per model
+    rotary = hooked.model.rotary_emb
+    x, positions = torch.randn(1, 5, hooked.config.hidden_size), torch.arange(5)[None]
+    ids = torch.randint(0, hooked.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert all(t.dtype == torch.float32 for t in rotary(x, positions))
+        assert torch.equal(plain(input_ids=ids).logits, hooked(input_ids=ids).logits)  # no autocast: the same numbers
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert all(t.dtype == torch.bfloat16 for t in rotary(x, positions))
+            ours, theirs = hooked(input_ids=ids).logits.float(), plain(input_ids=ids).logits.float()
+    # bf16 rounding of the rotation alone: far below a logit's scale, and not nothing (the hook acted)
+    assert 0 < (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
+
+
+def test_a_trainer_gives_its_models_rotary_tables_in_the_compute_dtype(tmp_path):
+    sft, dpo = _trainers(tmp_path, {})
+    for trainer in (sft, dpo):
+        for model in (trainer.model, *trainer.held_models()):
+            rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+            assert rotaries and all(m._plait_compute_dtype for m in rotaries)

@@ -19,10 +19,9 @@ checkpointing: the backward recomputed all four, then ran gather's backward (a z
 over the chunk's logits. This function keeps only the chunk's logsumexp (and entropy) from the
 forward, recomputes the logits once in the backward and forms ∂L/∂z in place (the same approach
 as "Cut Your Losses in Large-Vocabulary Language Models", Wijmans et al. 2024, §3, and the
-fused linear cross-entropy of Liger Kernel, Hsu et al. 2024, without their custom kernels). On
-SmolLM2 (49,152 tokens) at 2,048 positions in bf16 it removes about a tenth of an SFT step
-(benchmarks/logprobs.py). The numbers are those of the unfused path: the same matmuls in the
-same dtype, fp32 softmax statistics.
+fused linear cross-entropy of Liger Kernel, Hsu et al. 2024, without their custom kernels); what
+it saves a SmolLM2 step: benchmarks/step_parts.py (results/step_parts.json). The numbers are those
+of the unfused path to float32 rounding: the same matmuls in the same dtype, fp32 softmax statistics.
 
 It applies to a plain ``nn.Linear`` output layer whose logits the model returns unchanged (no
 scaling or soft-capping after it) and whose weight is a whole local tensor; anything else (an

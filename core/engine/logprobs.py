@@ -33,8 +33,9 @@ from accelerate.utils import extract_model_from_parallel
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from plait.engine.fused_head import fusable, linear_head_stats
 from plait.errors import PlaitError
+
+from .fused_head import fusable, linear_head_stats
 
 __all__ = ["TokenLogprobs", "compare_distributions", "default_chunk_size", "fp32_projection", "sequence_starts",
            "token_logprobs"]

@@ -39,6 +39,7 @@ from plait.paths import honour_umask, storage_shortage
 
 from . import run_folder
 from .attention import SEQUENCE_SDPA, packs_per_sequence, shares_prefixes
+from .autocast import rotary_in_compute_dtype
 from .config import method_args, trains_on_cpu
 from .layout import RegisteredCollator
 from .logprobs import token_logprobs
@@ -155,6 +156,8 @@ class PlaitTrainer(Trainer):
             if args.disable_dropout:
                 for module in (model, *self.held_models()):
                     disable_dropout(module)
+            for module in (model, *self.held_models()):  # acts only under autocast (bf16/fp16 runs)
+                rotary_in_compute_dtype(module)
             self._policy = model  # the model before accelerate wraps it; datasets may need it (cached reference)
             self.padding_free = self._padding_free(args, processing_class)
             self.prefix_sharing = self._prefix_sharing(args)
