@@ -26,8 +26,9 @@ import secrets
 import socket
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
+import attrs
 import torch
 
 from plait.errors import PlaitError
@@ -41,6 +42,9 @@ BUCKET_BYTES = 512 * 2**20  # weights travel in flat buckets of at most this siz
 # the dtypes a weight bucket may have: a model's floating-point parameters, in whatever precision it trains
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKEN_ENV = "PLAIT_VLLM_TOKEN"
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM takes (vllm.config.lora.MaxLoRARanks)
+# a PEFT adapter folder as vLLM loads it: the only files an adapter push carries, under these names alone
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def import_vllm(who: str):
@@ -60,11 +64,23 @@ def on_cpu() -> bool:
 
 def lora_engine_options(rank: int) -> dict[str, Any]:
     """vllm.LLM options to serve one LoRA adapter of ``rank`` (vLLM takes a rank from a fixed set)."""
-    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
-    if rank > allowed[-1]:
-        raise PlaitError(f"the LoRA rank {rank} is over vLLM's largest max_lora_rank {allowed[-1]}; "
+    if rank > LORA_RANKS[-1]:
+        raise PlaitError(f"the LoRA rank {rank} is over vLLM's largest max_lora_rank {LORA_RANKS[-1]}; "
                          "set vllm_lora_sync=False (merged weights) or train a lower rank")
-    return dict(enable_lora=True, max_lora_rank=next(r for r in allowed if r >= rank), max_loras=1)
+    return dict(enable_lora=True, max_lora_rank=next(r for r in LORA_RANKS if r >= rank), max_loras=1)
+
+
+@attrs.frozen
+class LoRASyncParams:
+    """The option both vLLM backends take (``vllm_lora_sync``): a plain LoRA policy reaches the engine
+    as its adapter alone. Off by default, as TRL always merges: measured on a CPU (docs/vllm.md),
+    generating through LoRA cost more than the merged push it saves on a 135M model; it pays for
+    large models and is the only route for a quantized base."""
+
+    field_help: ClassVar[dict[str, str]] = {
+        "lora_sync": "sync a LoRA policy as its adapter alone, served by vLLM's LoRA support (False: merge, push all)",
+    }
+    lora_sync: bool = False
 
 
 def refuse_transformers_options(args, who: str) -> None:

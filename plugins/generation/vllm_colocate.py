@@ -53,7 +53,7 @@ from plait.online.weights import (
 )
 from plait.params import in_range
 
-from ._vllm import Engine, lora_engine_options, on_cpu, refuse_transformers_options
+from ._vllm import Engine, LoRASyncParams, lora_engine_options, on_cpu, refuse_transformers_options
 
 NAME = "generation.vllm_colocate"
 
@@ -64,10 +64,11 @@ def _positive_int(instance, attribute, value) -> None:
 
 
 @attrs.frozen
-class VLLMColocateParams:
+class VLLMColocateParams(LoRASyncParams):
     """Engine options. ``dtype`` "auto" is vLLM's choice (bfloat16 for a float32 checkpoint on CPU);
     ``kv_cache_memory_bytes`` sizes the KV cache explicitly (CPU: instead of VLLM_CPU_KVCACHE_SPACE).
-    A method config gives each as ``vllm_<name>``."""
+    A method config gives each as ``vllm_<name>``; ``lora_sync`` comes from :class:`~._vllm.LoRASyncParams`,
+    which ``generation.vllm_server`` shares."""
 
     config_prefix: ClassVar[str] = "vllm_"
     field_help: ClassVar[dict[str, str]] = {
@@ -81,7 +82,6 @@ class VLLMColocateParams:
         "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
         "seed": "the engine's sampling seed (null: the run's seed)",
         "engine_kwargs": "more vllm.LLM keyword arguments",
-        "lora_sync": "sync a LoRA policy as its adapter alone, served by vLLM's LoRA support (False: merge, push all)",
     }
     gpu_memory_utilization: float = attrs.field(default=0.3, validator=in_range(0.0, 1.0, low_open=True))
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive_int)
@@ -93,9 +93,6 @@ class VLLMColocateParams:
     enable_prefix_caching: bool = True
     seed: int | None = None  # None: the run's seed
     engine_kwargs: dict = attrs.field(factory=dict)
-    # Off by default: measured on a CPU (docs/vllm.md), generating through LoRA cost more than the merged
-    # push it saves on a 135M model; it pays for large models and is the only route for a quantized base.
-    lora_sync: bool = False
 
 
 class VLLMColocateBackend(GenerationBackend):

@@ -2,7 +2,7 @@
 
 ``plait vllm-serve --model PATH [--tensor-parallel-size N] [--data-parallel-size N] [--host H]
 [--port P] [--gpu-memory-utilization F] [--token-file PATH] [--max-connections N]
-[--header-timeout S] [--max-body-bytes B] [--body-timeout S]`` starts ``data_parallel_size``
+[--header-timeout S] [--max-body-bytes B] [--body-timeout S] [--enable-lora [--max-lora-rank R]]`` starts ``data_parallel_size``
 engine processes (each a ``vllm.LLM`` over ``tensor_parallel_size`` devices, or over its own share
 of the CPU cores) behind a small JSON-over-HTTP front:
 
@@ -17,12 +17,17 @@ of the CPU cores) behind a small JSON-over-HTTP front:
                       under the session's random ``prefix``
 ``POST /update_weights``     ``{"layout"}``: receive the buckets the trainer broadcasts, reload
                       them into the engines, reset the prefix cache
+``POST /load_adapter``  ``{"files": {"adapter_config.json": base64, "adapter_model.safetensors":
+                      base64}}`` (a server started with ``--enable-lora``): a PEFT LoRA adapter, checked
+                      against the model's own linear layers and ``--max-lora-rank``, becomes the next
+                      LoRA version, which every later generation uses until the next push of either kind
 ``POST /reset_prefix_cache``
 ``POST /close``       leave the weight-sync group
 ====================  =====================================================================
 
 Weights never travel in an HTTP body: they go over the process group (gloo on CPU, NCCL on
-GPU). Every request must carry ``Authorization: Bearer <token>``: the token is ``--token-file``'s
+GPU); only a LoRA adapter (``vllm_lora_sync``: a few MB, bounded by ``--max-body-bytes``) travels in
+a body, as the two files of a PEFT adapter folder. Every request must carry ``Authorization: Bearer <token>``: the token is ``--token-file``'s
 (generated into it when the file does not exist), PLAIT_VLLM_TOKEN, ``--token`` (visible to every
 user in ``ps``), or else a fresh one written to a file of this user's alone
 (:func:`~plait.plugins.generation._vllm.token_path`) where clients on this machine find it.
@@ -37,13 +42,18 @@ sane ranges before an engine allocates anything.
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import functools
+import json
 import math
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -55,7 +65,7 @@ from plait.cli import Command
 from plait.errors import PlaitError
 from plait.serving import HEADER_TIMEOUT, MAX_CONNECTIONS, BoundedServer, JsonHandler, add_limit_arguments, check_limits
 
-from ._vllm import TOKEN_ENV, WEIGHT_DTYPES, token_path, write_token
+from ._vllm import ADAPTER_FILES, TOKEN_ENV, WEIGHT_DTYPES, lora_engine_options, token_path, write_token
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +74,10 @@ MAX_BODY_BYTES = 64 * 2**20  # generate requests: millions of prompt token ids; 
 BODY_TIMEOUT = 60.0  # seconds for a whole body to arrive: 64 MiB at ~1 MB/s
 MAX_JOIN_TIMEOUT = 3600.0  # the longest wait for a trainer to join the weight-sync group a client may ask for
 SESSION_PREFIX = re.compile(r"plait-weights-[0-9a-f]{32}")  # what _vllm.session_prefix makes
+LORA_TENSOR = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")  # PEFT's name for a LoRA factor
+SAFETENSORS_FLOATS = {"F32": 4, "BF16": 2, "F16": 2}  # the float dtypes an adapter's tensors may have, and their bytes
+NO_LORA = ("this server was started without LoRA; restart plait vllm-serve with --enable-lora (and --max-lora-rank "
+           "at least the adapter's rank), or set vllm_lora_sync=False on the trainer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{TOKEN_ENV}, else a fresh token in a file of yours that local clients find")
     parser.add_argument("--token", default=None,
                         help="the token itself: visible to every user of this machine in `ps`; prefer --token-file")
+    parser.add_argument("--enable-lora", "--enable_lora", action="store_true",
+                        help="serve LoRA adapters that trainers push (vllm_lora_sync=True) over the model's weights")
+    parser.add_argument("--max-lora-rank", "--max_lora_rank", type=int, default=16,
+                        help="the largest adapter rank --enable-lora takes (raised to one vLLM allows: 1, 8, 16, 32, "
+                             "64, 128, 256, 320, 512; default 16)")
     add_limit_arguments(parser, max_body_bytes=MAX_BODY_BYTES, body_timeout=BODY_TIMEOUT)
 
 
@@ -115,11 +134,15 @@ def run(args: argparse.Namespace, plugins) -> int:
         if getattr(args, flag) < 1:
             raise PlaitError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be at least 1")
     check_limits(args)
+    if args.max_lora_rank < 1:
+        raise PlaitError(f"--max-lora-rank={args.max_lora_rank} must be at least 1")
+    lora = lora_engine_options(args.max_lora_rank) if args.enable_lora else None  # refuses a rank vLLM cannot take
     token, token_file = server_token(args)
     try:  # bind first: a busy port fails now, before its server's token file is overwritten
         httpd = GenerationServer((args.host, args.port), model=args.model, revision=args.revision, token=token,
                                  max_connections=args.max_connections, header_timeout=args.header_timeout,
-                                 max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout)
+                                 max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+                                 max_lora_rank=lora["max_lora_rank"] if lora else None)
     except OSError as err:
         raise PlaitError(f"cannot listen on {args.host}:{args.port} ({err.strerror}); choose another --port") from None
     if token_file is not None:
@@ -135,7 +158,8 @@ def run(args: argparse.Namespace, plugins) -> int:
             raise PlaitError(f"the vLLM engine for {args.model} did not start: {str(err).splitlines()[0]}") from None
         httpd.pool = pool
         print(f"plait vllm-serve: {args.model} ready on http://{args.host}:{args.port} "
-              f"({args.data_parallel_size} engine(s) × {args.tensor_parallel_size} device(s))", flush=True)
+              f"({args.data_parallel_size} engine(s) × {args.tensor_parallel_size} device(s)"
+              + (f"; LoRA adapters up to rank {lora['max_lora_rank']}" if lora else "") + ")", flush=True)
         httpd.serve_forever()
     except KeyboardInterrupt:
         pass
@@ -160,6 +184,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         options["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     if args.enforce_eager is not None:
         options["enforce_eager"] = args.enforce_eager
+    if args.enable_lora:
+        options.update(lora_engine_options(args.max_lora_rank))
     return options
 
 
@@ -195,10 +221,23 @@ def engine_process(conn, model: str, options: dict, environment: dict) -> None:
 
     devices = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
     conn.send(("ok", {"devices": devices}))
+    lora = [None]  # the LoRA version generation uses: the last push decides (a full weight push drops it)
+
+    def load_adapter(version: int, folder: str) -> float:
+        start = time.perf_counter()
+        lora[0] = engine.load_adapter(version, folder)
+        return time.perf_counter() - start
+
+    def receive(layout) -> float:
+        lora[0] = None
+        return _receive(engine, layout)
+
     commands = {
-        "generate": lambda ids, sampling, stop: engine.generate(ids, SamplingParams(**sampling), stop),
+        "generate": lambda ids, sampling, stop: engine.generate(ids, SamplingParams(**sampling), stop,
+                                                                lora_request=lora[0]),
         "join": lambda *a: engine.llm.collective_rpc("plait_join_weight_group", args=a),
-        "receive": lambda layout: _receive(engine, layout),
+        "receive": receive,
+        "adapter": load_adapter,
         "reset": engine.reset_prefix_cache,
         "leave": lambda: engine.llm.collective_rpc("plait_leave_weight_group"),
     }
@@ -321,16 +360,25 @@ class EnginePool:
 class GenerationServer(BoundedServer):
     """The HTTP front: ``pool`` (an :class:`EnginePool`) answers the routes; ``token``,
     ``max_connections``, ``header_timeout``, ``max_body_bytes`` and ``body_timeout`` decide which
-    requests it gets to see (:class:`plait.serving.BoundedServer`), and ``model`` (its config) which
-    weight layouts it accepts."""
+    requests it gets to see (:class:`plait.serving.BoundedServer`), ``model`` (its config) which
+    weight layouts and adapters it accepts, and ``max_lora_rank`` (None: started without LoRA) the
+    largest adapter rank. Pushed adapters live in a folder of this server's (0700), removed at close."""
 
     def __init__(self, address: tuple[str, int], pool: EnginePool | None = None, *, token: str, model: str = "",
                  revision: str | None = None, max_connections: int = MAX_CONNECTIONS,
                  header_timeout: float = HEADER_TIMEOUT, max_body_bytes: int = MAX_BODY_BYTES,
-                 body_timeout: float = BODY_TIMEOUT):
+                 body_timeout: float = BODY_TIMEOUT, max_lora_rank: int | None = None):
         super().__init__(address, Handler, who="plait vllm-serve", token=token, max_connections=max_connections,
                          header_timeout=header_timeout, max_body_bytes=max_body_bytes, body_timeout=body_timeout)
         self.pool, self.model, self.revision = pool, model, revision
+        self.max_lora_rank, self.adapter_version = max_lora_rank, 0
+        self.adapter_lock = threading.Lock()  # one adapter push at a time: versions in order
+        self.adapters = Path(tempfile.mkdtemp(prefix="plait-vllm-serve-lora-")) if max_lora_rank else None
+
+    def server_close(self) -> None:
+        super().server_close()
+        if self.adapters is not None:
+            shutil.rmtree(self.adapters, ignore_errors=True)
 
     @functools.cached_property
     def parameters(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -341,7 +389,8 @@ class Handler(JsonHandler):
     server_version = "plait-vllm-serve"
     routes = {("GET", "/health"): "health", ("POST", "/generate"): "generate",
               ("POST", "/init_communicator"): "init_communicator", ("POST", "/update_weights"): "update_weights",
-              ("POST", "/reset_prefix_cache"): "reset_prefix_cache", ("POST", "/close"): "close_communicator"}
+              ("POST", "/reset_prefix_cache"): "reset_prefix_cache", ("POST", "/close"): "close_communicator",
+              ("POST", "/load_adapter"): "load_adapter"}
     token_hint = f"the server's --token or {TOKEN_ENV}"
     too_large_hint = "send fewer prompts per request"
 
@@ -355,7 +404,7 @@ class Handler(JsonHandler):
         return {"status": "ok", "model": self.server.model, "world_size": pool.world_size,
                 "data_parallel_size": pool.engines, "tensor_parallel_size": pool.args.tensor_parallel_size,
                 "weight_backend": pool.weight_backend, "devices": pool.devices,
-                "max_body_bytes": self.server.max_body_bytes}
+                "max_body_bytes": self.server.max_body_bytes, "max_lora_rank": self.server.max_lora_rank}
 
     def generate(self, body: dict) -> dict:
         from plait.online.generation import SamplingParams, encode_prompts
@@ -387,6 +436,25 @@ class Handler(JsonHandler):
         layout = checked_layout(body.get("layout"), self.server.parameters)
         seconds = self.pool.broadcast("receive", layout)
         return {"seconds": max(seconds)}
+
+    def load_adapter(self, body: dict) -> dict:
+        """A pushed PEFT adapter becomes the next LoRA version of every engine; the previous version's
+        folder goes once the new one is loaded."""
+        server = self.server
+        if server.max_lora_rank is None:
+            raise PlaitError(NO_LORA)
+        files, tensor_bytes = checked_adapter(body.get("files"), server.parameters, server.max_lora_rank)
+        with server.adapter_lock:
+            version = server.adapter_version + 1
+            folder = write_adapter(server.adapters, version, files)
+            try:
+                seconds = self.pool.broadcast("adapter", version, str(folder))
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            server.adapter_version = version
+            shutil.rmtree(server.adapters / f"v{version - 1}", ignore_errors=True)
+        return {"version": version, "seconds": max(seconds), "bytes": tensor_bytes}
 
     def reset_prefix_cache(self, body: dict) -> dict:
         self.pool.broadcast("reset")
@@ -447,6 +515,106 @@ def checked_layout(layout, parameters: dict) -> list[dict]:
                              f"not {bucket.get('numel')!r}")
         checked.append({"dtype": bucket["dtype"], "numel": end, "params": rows})
     return checked
+
+
+def checked_adapter(files, parameters: dict, max_rank: int) -> tuple[dict[str, bytes], int]:
+    """The files of a pushed adapter (name -> bytes) and its tensor bytes, or a ValueError where they are
+    not a plain PEFT LoRA adapter of this server's model within ``max_rank``: exactly the two files of
+    :data:`ADAPTER_FILES` (no other name, so no path), valid base64, a LoRA config without DoRA, biases
+    or whole trained modules, and safetensors whose every tensor is one factor of a LoRA pair on one of
+    the model's 2-d weights, of its shape, at a rank of at most ``max_rank``."""
+    if not isinstance(files, dict) or sorted(files) != sorted(ADAPTER_FILES):
+        names = sorted(str(name)[:80] for name in files) if isinstance(files, dict) else type(files).__name__
+        raise ValueError(f"'files' must map exactly {list(ADAPTER_FILES)} to base64 text, not {names}")
+    decoded = {}
+    for name in ADAPTER_FILES:
+        if not isinstance(files[name], str):
+            raise ValueError(f"{name} must be base64 text")
+        try:
+            decoded[name] = base64.b64decode(files[name], validate=True)
+        except binascii.Error as err:
+            raise ValueError(f"{name} is not valid base64 ({err})") from None
+    try:
+        config = json.loads(decoded["adapter_config.json"])
+    except ValueError as err:
+        raise ValueError(f"adapter_config.json is not JSON ({err})") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        raise ValueError("adapter_config.json must describe a LoRA adapter (peft_type 'LORA')")
+    if config.get("use_dora") or config.get("bias", "none") != "none" or config.get("modules_to_save"):
+        raise ValueError("the adapter uses DoRA, biases or modules_to_save, which only a full weight push carries; "
+                         "set vllm_lora_sync=False")
+    pattern = config.get("rank_pattern") or {}
+    ranks = [config.get("r"), *(pattern.values() if isinstance(pattern, dict) else [None])]
+    if not all(type(r) is int and r >= 1 for r in ranks):
+        raise ValueError(f"adapter_config.json: r and rank_pattern must be positive integers, not {ranks[:8]}")
+    if max(ranks) > max_rank:
+        raise ValueError(f"the adapter's rank {max(ranks)} is over this server's --max-lora-rank {max_rank}; "
+                         f"restart plait vllm-serve with --max-lora-rank {max(ranks)}")
+    tensors = _safetensors_header(decoded["adapter_model.safetensors"])
+    if not tensors:
+        raise ValueError("adapter_model.safetensors holds no tensor")
+    pairs: dict[str, dict[str, list[int]]] = {}
+    for name, (dtype, shape) in tensors.items():
+        match = LORA_TENSOR.fullmatch(name)
+        weight = parameters.get(f"{match.group(1)}.weight") if match else None
+        if weight is None or len(weight[0]) != 2:
+            raise ValueError(f"adapter tensor {name[:200]!r} is not a LoRA factor of a linear layer of this server's "
+                             "model (base_model.model.<module>.lora_A/lora_B.weight)")
+        if dtype not in SAFETENSORS_FLOATS:
+            raise ValueError(f"adapter tensor {name} has dtype {dtype}, not a float")
+        pairs.setdefault(match.group(1), {})[match.group(2)] = shape
+    for module, factors in pairs.items():
+        (out_features, in_features), a, b = parameters[f"{module}.weight"][0], factors.get("A"), factors.get("B")
+        if a is None or b is None or len(a) != 2 or len(b) != 2 or a[1] != in_features or b[0] != out_features \
+                or a[0] != b[1] or not 1 <= a[0] <= max_rank:
+            raise ValueError(f"adapter factors of {module} have shapes A {a} and B {b}; this server's model needs "
+                             f"A [r, {in_features}] and B [{out_features}, r] with r at most {max_rank}")
+    return decoded, sum(math.prod(shape) * SAFETENSORS_FLOATS[dtype] for dtype, shape in tensors.values())
+
+
+def _safetensors_header(data: bytes) -> dict[str, tuple[str, list[int]]]:
+    """A safetensors file's tensors (name -> dtype, shape) from its header alone, checked to tile the
+    data that follows it exactly, so what the engine later loads is what was checked."""
+    if len(data) < 8:
+        raise ValueError("adapter_model.safetensors is not a safetensors file (shorter than its header size)")
+    size = int.from_bytes(data[:8], "little")
+    try:
+        header = json.loads(data[8:8 + size]) if size <= len(data) - 8 else None
+    except ValueError:
+        header = None
+    if not isinstance(header, dict):
+        raise ValueError("adapter_model.safetensors is not a safetensors file (its header is not JSON)")
+    header.pop("__metadata__", None)
+    tensors, spans = {}, []
+    for name, entry in header.items():
+        dtype, shape, offsets = (entry.get(k) if isinstance(entry, dict) else None
+                                 for k in ("dtype", "shape", "data_offsets"))
+        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape) and isinstance(offsets, list)
+                and len(offsets) == 2 and all(type(n) is int for n in offsets)):
+            raise ValueError(f"adapter_model.safetensors: tensor {str(name)[:200]!r} has a malformed entry")
+        if dtype in SAFETENSORS_FLOATS and offsets[1] - offsets[0] != math.prod(shape) * SAFETENSORS_FLOATS[dtype]:
+            raise ValueError(f"adapter_model.safetensors: tensor {name} does not span its shape's bytes")
+        tensors[name] = (dtype, shape)
+        spans.append(offsets)
+    end = 0
+    for start, stop in sorted(spans):
+        if start != end:
+            raise ValueError("adapter_model.safetensors: its tensors overlap or leave gaps")
+        end = stop
+    if end != len(data) - 8 - size:
+        raise ValueError("adapter_model.safetensors: its tensors do not fill the file exactly")
+    return tensors
+
+
+def write_adapter(root: Path, version: int, files: dict[str, bytes]) -> Path:
+    """Write a checked adapter as ``root/v<version>``: into a fresh hidden folder first, renamed whole,
+    so an engine never reads half an adapter; the names are :data:`ADAPTER_FILES`, never a client's."""
+    staged = Path(tempfile.mkdtemp(prefix=f".v{version}-", dir=root))
+    for name in ADAPTER_FILES:
+        (staged / name).write_bytes(files[name])
+    final = root / f"v{version}"
+    os.rename(staged, final)
+    return final
 
 
 @functools.lru_cache(maxsize=1)

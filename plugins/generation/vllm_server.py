@@ -9,6 +9,13 @@ workers and the trainer form a process group of their own (gloo on CPU, NCCL on 
 a random prefix sent only in the authenticated join request, and the trainer broadcasts the
 parameters in flat buckets, never inside an HTTP body. The trainer needs no vLLM installed.
 
+A plain LoRA policy with ``vllm_lora_sync=True`` reaches a server started with ``--enable-lora``
+as its adapter alone: each sync saves the PEFT adapter (adapter_config.json and
+adapter_model.safetensors, a few MB) and posts both files to ``/load_adapter``, where it becomes the
+next LoRA version the server generates with. The client checks at connect time that the server
+serves LoRA adapters of the policy's rank, and pushes the adapter then, so the first rollout
+already uses it (docs/vllm.md).
+
 Every request carries the server's token: ``vllm_server_token``, else the file
 ``vllm_server_token_file``, else PLAIT_VLLM_TOKEN, else (for a server on loopback) the file a
 ``plait vllm-serve`` on this machine generated for its port (:func:`~._vllm.token_path`).
@@ -16,22 +23,27 @@ Every request carries the server's token: ``vllm_server_token``, else the file
 Its options (:class:`VLLMServerParams`, published under the ``plait.generation_options`` entry-point group) are
 fields of every online method's Config as ``vllm_<option>``; TRL's names: ``vllm_server_base_url``,
 ``vllm_server_host``, ``vllm_server_port``, ``vllm_server_timeout``, ``vllm_group_port``, and
-plait's ``vllm_server_token``, ``vllm_server_token_file`` and ``vllm_server_request_timeout``;
+plait's ``vllm_server_token``, ``vllm_server_token_file``, ``vllm_server_request_timeout`` and
+``vllm_lora_sync`` (shared with ``generation.vllm_colocate``: :class:`~._vllm.LoRASyncParams`);
 ``vllm_structured_outputs_regex`` travels with each request's sampling options.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import http.client
 import json
 import os
+import shutil
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any, ClassVar, Iterator, Sequence
 
 import attrs
@@ -48,11 +60,22 @@ from plait.online.generation import (
     encode_prompts,
     eos_token_ids,
 )
-from plait.online.weights import materialised, policy_parameters
+from plait.online.weights import (
+    adapter_parameters,
+    lora_rank,
+    lora_unservable,
+    materialised,
+    payload_bytes,
+    policy_parameters,
+    save_adapter,
+)
 from plait.params import positive
 
 from ._vllm import (
+    ADAPTER_FILES,
     TOKEN_ENV,
+    WEIGHT_DTYPES,
+    LoRASyncParams,
     bucket_layout,
     is_loopback,
     read_token,
@@ -76,8 +99,9 @@ def _port(instance, attribute, value) -> None:
 
 
 @attrs.frozen
-class VLLMServerParams:
-    """Where the server is and how long to wait for it; a method config gives each as ``vllm_<name>``."""
+class VLLMServerParams(LoRASyncParams):
+    """Where the server is and how long to wait for it, and whether a LoRA policy syncs as its adapter
+    alone (``lora_sync``, :class:`~._vllm.LoRASyncParams`); a method config gives each as ``vllm_<name>``."""
 
     config_prefix: ClassVar[str] = "vllm_"
     field_help: ClassVar[dict[str, str]] = {
@@ -115,6 +139,7 @@ class VLLMClient:
         self.group = None
         self.rank = None
         self.push_seconds: list[float] = []
+        self.sent_bytes: list[int] = []  # what each push carried: bucket bytes over the side channel, or the body
         self.max_body_bytes: int | None = None  # the server's, from /health
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -253,7 +278,23 @@ class VLLMClient:
         with self._meanwhile("/update_weights", {"layout": layout}):
             send_buckets(self.group, self.rank, layout, named, self.device)
         self.push_seconds.append(time.perf_counter() - start)
+        self.sent_bytes.append(sum(b["numel"] * WEIGHT_DTYPES[b["dtype"]].itemsize for b in layout))
         return self.push_seconds[-1]
+
+    def load_adapter(self, folder: str) -> dict:
+        """Post the PEFT adapter in ``folder`` (its two files, base64) to a server started with
+        ``--enable-lora``, which loads it as its next LoRA version; returns the server's answer."""
+        start = time.perf_counter()
+        files = {name: base64.b64encode(Path(folder, name).read_bytes()).decode("ascii") for name in ADAPTER_FILES}
+        size = sum(map(len, files.values())) + 128  # the JSON around the files is a few dozen bytes
+        if self.max_body_bytes is not None and size > self.max_body_bytes:
+            raise PlaitError(f"the LoRA adapter is {size} bytes as sent, over the limit of the vLLM server at "
+                             f"{self.base_url} ({self.max_body_bytes}); restart it with a larger --max-body-bytes "
+                             "or set vllm_lora_sync=False (merged weights over the side channel)")
+        reply = self._request("POST", "/load_adapter", {"files": files}, idempotent=False)
+        self.push_seconds.append(time.perf_counter() - start)
+        self.sent_bytes.append(size)
+        return reply
 
     def close(self) -> None:
         if self.group is not None:
@@ -268,7 +309,10 @@ class VLLMServerBackend(GenerationBackend):
 
     def __init__(self, model, processing_class, params: VLLMServerParams | None = None):
         self.params = p = params or VLLMServerParams()
-        self.processing_class = processing_class
+        self.model, self.processing_class = model, processing_class
+        self.lora = p.lora_sync and lora_unservable(model) is None  # else the merged push, as colocate does
+        self.push_bytes: list[int] = []  # the tensor bytes each push carried (trainer precision)
+        self._adapters: tempfile.TemporaryDirectory | None = None
         self.eos_ids = eos_token_ids(processing_class, _unwrap(model))
         if not self.eos_ids:
             raise PlaitError("the tokenizer has no eos_token and the model's generation_config no eos_token_id; "
@@ -291,7 +335,12 @@ class VLLMServerBackend(GenerationBackend):
             if mine in info.get("devices", []):
                 raise PlaitError(f"the vLLM server at {self.client.base_url} runs on this trainer's GPU {mine}; "
                                  "start it on other devices (CUDA_VISIBLE_DEVICES) or use generation.vllm_colocate")
+        if self.lora:
+            check_lora_server(info, lora_rank(self.model), self.client.base_url)
+            self._adapters = tempfile.TemporaryDirectory(prefix="plait-vllm-lora-")
         self.started = True
+        if self.lora:  # the server holds the base weights alone: the first rollout needs the adapter too
+            self._push_adapter(self.model)
 
     def generate(self, prompts, sampling: SamplingParams) -> Generations:
         self.start()
@@ -307,8 +356,12 @@ class VLLMServerBackend(GenerationBackend):
         import torch.distributed as dist
 
         distributed = dist.is_available() and dist.is_initialized()
+        if self.lora:
+            self._push_adapter(model)
+            return
         with policy_parameters(model) as named:
             if not distributed or dist.get_rank() == 0:
+                self.push_bytes.append(payload_bytes(named))
                 self.client.update_weights(named)
             elif any(hasattr(p, "ds_id") or hasattr(p, "full_tensor") for _, p in named):
                 for _ in materialised(named):  # the gathers are collective
@@ -316,10 +369,41 @@ class VLLMServerBackend(GenerationBackend):
         if distributed:
             dist.barrier()
 
+    def _push_adapter(self, model) -> None:
+        """The main process saves the adapter and posts it; the others wait for it (and take part in
+        gathering sharded adapter weights)."""
+        import torch.distributed as dist
+
+        distributed = dist.is_available() and dist.is_initialized()
+        if not distributed or dist.get_rank() == 0:
+            folder = os.path.join(self._adapters.name, f"v{len(self.push_bytes) + 1}")
+            self.push_bytes.append(save_adapter(model, folder))
+            self.client.load_adapter(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+        elif any(hasattr(p, "ds_id") or hasattr(p, "full_tensor") for _, p in adapter_parameters(_unwrap(model))):
+            for _ in materialised(adapter_parameters(_unwrap(model))):  # the gathers are collective
+                pass
+        if distributed:
+            dist.barrier()
+
     def close(self) -> None:
         if self.started:
             self.client.close()
             self.started = False
+        if self._adapters is not None:
+            self._adapters.cleanup()
+            self._adapters = None
+
+
+def check_lora_server(info: dict, rank: int, url: str) -> None:
+    """Refuse, at connect time, a server that cannot serve the policy's adapter (its /health ``info``)."""
+    limit = info.get("max_lora_rank")
+    if limit is None:
+        raise PlaitError(f"vllm_lora_sync=True but the vLLM server at {url} was started without LoRA; restart it "
+                         f"with `plait vllm-serve ... --enable-lora --max-lora-rank {rank}`, or set vllm_lora_sync=False")
+    if rank > limit:
+        raise PlaitError(f"the policy's LoRA rank {rank} is over the vLLM server's --max-lora-rank {limit} ({url}); "
+                         f"restart it with --max-lora-rank {rank}, or set vllm_lora_sync=False")
 
 
 def _unwrap(model):
