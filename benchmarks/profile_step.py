@@ -1,0 +1,130 @@
+"""One plait optimizer step under torch's profiler: where the time goes, by op and by plait file.
+
+    .venv/bin/python benchmarks/profile_step.py --method sft [--length 512] [--precision bf16|fp32] [--top 25]
+
+Builds the method's trainer exactly as benchmarks/trl_side_by_side.py does (SmolLM2-135M-Instruct,
+batch 4, rows of ``--length`` tokens, each library's defaults; ``--precision`` fixes bf16 autocast or
+fp32, gradient checkpointing stays on as both libraries default), trains three steps and profiles
+the third. Prints and writes to benchmarks/results/profile_<method>_<precision>.json:
+
+- **by op**: self CPU time of each aten op (matmuls, attention kernels, casts, elementwise ops, the
+  optimizer), the share of the step each takes, and matmul's share (the part a faster kernel cannot
+  shrink further than the matmul peak);
+- **by plait file**: each op's self time attributed to the innermost Python frame above it in plait's
+  source (core/, plugins/, losses/, rewards/) or a library's (transformers' modeling file, torch's
+  checkpointing, ...); ops the autograd engine runs for the model's own ops are one row,
+  "backward (autograd)" (a plait autograd Function's backward is its own file's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
+PLAIT_FOLDERS = ("core", "plugins", "losses", "rewards")
+LIBRARIES = ("transformers", "accelerate", "peft", "torch")
+# frames that only pass an op on (dispatch modes, checkpointing, module calls): the owner is above them
+PASS_THROUGH = ("torch/_ops.py", "torch/utils/checkpoint.py", "torch/nn/modules/module.py",
+                "torch/autograd/function.py", "torch/_compile.py", "torch/_dynamo/eval_frame.py",
+                "transformers/modeling_layers.py", "transformers/utils/generic.py",
+                "transformers/utils/output_capturing.py")
+
+
+def owner(event) -> str:
+    """Who issued an aten op: the innermost Python frame above it (its profiler parents) in plait's source
+    (core/, plugins/, losses/, rewards/) or in a library file (transformers/models/llama/..., torch/...);
+    an op the autograd engine runs for a node of the model's own ops is "backward (autograd)"."""
+    parent = event.cpu_parent
+    while parent is not None:
+        name = parent.name
+        if name.startswith("autograd::engine::evaluate_function"):
+            return "backward (autograd)"
+        frame = name.split("(")[0] if "(" in name and ".py(" in name else None
+        if frame is not None:
+            parts = Path(frame).parts
+            for start, part in enumerate(parts):
+                if (part in PLAIT_FOLDERS or part in LIBRARIES) and "/".join(parts[start:]) not in PASS_THROUGH:
+                    return "/".join(parts[start:])
+        parent = parent.cpu_parent
+    return "other"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--method", default="sft")
+    parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--top", type=int, default=25)
+    options = parser.parse_args()
+
+    import torch
+    from datasets import Dataset
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoTokenizer, TrainerCallback
+
+    import plait
+
+    sys.path.insert(0, str(HERE))
+    import trl_side_by_side as sbs
+
+    model = sbs.model_folder(None)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    args = dict(output_dir="/tmp/plait-profile-step", max_steps=3, per_device_train_batch_size=sbs.BATCH,
+                logging_steps=1, save_strategy="no", report_to="none", learning_rate=1e-6, seed=0,
+                max_length=options.length, bf16=options.precision == "bf16")
+    config = getattr(plait, f"{sbs.CONFIG[options.method]}Config")(**args)
+    data = Dataset.from_list(sbs.rows(options.method, options.length, tokenizer, sbs.BATCH * 3))
+    trainer = getattr(plait, f"{sbs.CONFIG[options.method]}Trainer")(model=model, args=config, train_dataset=data,
+                                                                       processing_class=tokenizer)
+    window: dict = {}
+
+    class Profiled(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                window["profile"] = profile(activities=[ProfilerActivity.CPU], with_stack=True)
+                window["profile"].__enter__()
+                window["start"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if "profile" in window and "seconds" not in window:
+                window["seconds"] = time.perf_counter() - window["start"]
+                window["profile"].__exit__(None, None, None)
+
+    trainer.add_callback(Profiled())
+    trainer.train()
+    events = window["profile"].events()
+    by_op: dict[str, float] = defaultdict(float)
+    by_file: dict[str, float] = defaultdict(float)
+    for event in events:
+        if not event.name.startswith("aten::") or event.self_cpu_time_total <= 0:  # ops, not Python frames
+            continue
+        by_op[event.name] += event.self_cpu_time_total / 1e6
+        by_file[owner(event)] += event.self_cpu_time_total / 1e6
+    total = sum(by_op.values())
+    top = lambda table: {k: round(v, 4) for k, v in sorted(table.items(), key=lambda kv: -kv[1])[:options.top]}  # noqa: E731
+    result = {"date": time.strftime("%Y-%m-%d"), "method": options.method, "length": options.length,
+              "precision": options.precision, "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
+              "cpu": sbs.cpu_kind(), "torch_threads": torch.get_num_threads(), "load_1min": os.getloadavg()[0],
+              "step_seconds": window["seconds"], "profiled_cpu_seconds": total,
+              "matmul_share": sum(by_op[k] for k in MATMUL_OPS) / total,
+              "by_op_seconds": top(by_op), "by_file_seconds": top(by_file)}
+    out = HERE / "results" / f"profile_{options.method}_{options.precision}.json"
+    out.write_text(json.dumps(result, indent=1))
+    print(f"{options.method} {options.precision}: step {window['seconds']:.2f} s, "
+          f"matmul {result['matmul_share']:.0%} of op time")
+    for title, table in (("by op", result["by_op_seconds"]), ("by plait file", result["by_file_seconds"])):
+        print(f"-- {title}")
+        for name, seconds in table.items():
+            print(f"{seconds:8.3f} s {seconds / total:6.1%}  {name}")
+
+
+if __name__ == "__main__":
+    main()
