@@ -915,7 +915,7 @@ class OnlineTrainer(RolloutTrainer):
         if turn_rewards.isnan().all():
             return
         estimator = getattr(self, "estimator", None)
-        if estimator is not None and not estimator.component.options.token_level and not self._warned_turns:
+        if estimator is not None and not estimator.component.options.turn_level and not self._warned_turns:
             self._warned_turns = True
             logger.warning("plait: the environment gives per-turn rewards, which %s does not read (it scores whole "
                            "episodes); set advantage_estimator to turn_return or turn_gae to use them", estimator.name)
