@@ -158,6 +158,17 @@ def test_a_rank_over_the_server_maximum_is_refused_at_connect():
         assert server.pool.commands == []
 
 
+def test_a_quantized_base_is_refused_on_the_merged_route():
+    model, tokenizer = lora_policy()
+    layer = model.get_base_model().model.layers[0].mlp.down_proj.base_layer
+    # packed 4-bit weights as bitsandbytes' Params4bit holds them: bytes, no float a merged push could carry
+    layer.weight = torch.nn.Parameter(torch.zeros(layer.weight.numel() // 2, 1, dtype=torch.uint8), requires_grad=False)
+    with front(max_lora_rank=8) as server:
+        params = VLLMServerParams(server_port=server.server_address[1], server_token=TOKEN)
+        with pytest.raises(PlaitError, match="quantized.*set vllm_lora_sync=True.*--enable-lora"):
+            VLLMServerBackend(model, tokenizer, params).start()
+
+
 def test_the_flags_take_trl_and_vllm_spellings():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
