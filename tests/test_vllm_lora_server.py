@@ -36,7 +36,7 @@ from plait.errors import PlaitError
 from plait.online.generation import SamplingParams
 from plait.online.weights import save_adapter
 from plait.plugins.generation._vllm import ADAPTER_FILES
-from plait.plugins.generation.vllm_serve import GenerationServer, add_arguments
+from plait.plugins.generation.vllm_serve import GenerationServer, add_arguments, run
 from plait.plugins.generation.vllm_server import VLLMClient, VLLMServerBackend, VLLMServerParams
 from plait.testing.tiny_model import tiny_model_path
 
@@ -175,6 +175,8 @@ def test_the_flags_take_trl_and_vllm_spellings():
     args = parser.parse_args(["--model", "m", "--enable_lora", "--max_lora_rank", "4"])
     assert args.enable_lora and args.max_lora_rank == 4
     assert not parser.parse_args(["--model", "m"]).enable_lora
+    with pytest.raises(PlaitError, match="--max-lora-rank=600 must be from 1 to 512"):  # before binding or building
+        run(parser.parse_args(["--model", "m", "--enable-lora", "--max-lora-rank", "600"]), None)
 
 
 # ---------------------------------------------------------------------------------------------

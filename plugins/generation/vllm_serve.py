@@ -65,7 +65,7 @@ from plait.cli import Command
 from plait.errors import PlaitError
 from plait.serving import HEADER_TIMEOUT, MAX_CONNECTIONS, BoundedServer, JsonHandler, add_limit_arguments, check_limits
 
-from ._vllm import ADAPTER_FILES, TOKEN_ENV, WEIGHT_DTYPES, lora_engine_options, token_path, write_token
+from ._vllm import ADAPTER_FILES, LORA_RANKS, TOKEN_ENV, WEIGHT_DTYPES, lora_engine_options, token_path, write_token
 
 if TYPE_CHECKING:
     import torch
@@ -134,9 +134,9 @@ def run(args: argparse.Namespace, plugins) -> int:
         if getattr(args, flag) < 1:
             raise PlaitError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be at least 1")
     check_limits(args)
-    if args.max_lora_rank < 1:
-        raise PlaitError(f"--max-lora-rank={args.max_lora_rank} must be at least 1")
-    lora = lora_engine_options(args.max_lora_rank) if args.enable_lora else None  # refuses a rank vLLM cannot take
+    if not 1 <= args.max_lora_rank <= LORA_RANKS[-1]:
+        raise PlaitError(f"--max-lora-rank={args.max_lora_rank} must be from 1 to {LORA_RANKS[-1]} (vLLM's largest)")
+    lora = lora_engine_options(args.max_lora_rank) if args.enable_lora else None
     token, token_file = server_token(args)
     try:  # bind first: a busy port fails now, before its server's token file is overwritten
         httpd = GenerationServer((args.host, args.port), model=args.model, revision=args.revision, token=token,
