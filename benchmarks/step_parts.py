@@ -1,15 +1,16 @@
-"""What two changes of the training step buy, each on and off: the fused output layer and bf16 rotary tables.
+"""What bf16 rotary tables buy a training step: :func:`plait.engine.autocast.rotary_in_compute_dtype` on and off.
 
-- ``fused_head``: the chunked log-prob path through :mod:`plait.engine.fused_head` (one autograd
-  step for the output layer and the log-softmax) against the unfused path (project, upcast,
-  log_softmax, gather under activation checkpointing).
-- ``rotary_bf16``: :func:`plait.engine.autocast.rotary_in_compute_dtype` (the rotary tables in the
-  autocast's dtype) against transformers' float32 tables; only under bf16 autocast.
+Under bf16 autocast, the rotary tables in the autocast's dtype against transformers' float32 tables
+(fp32 runs are unchanged by it). One forward and backward of SmolLM2-135M-Instruct
+(``examples/smollm2.py`` converts it once) over a padding-free row of 4 sequences × 512 tokens, with
+plait's default gradient checkpointing and chunked log-probs, as an SFT step computes it (no
+optimizer). The two variants are separate copies of the model in one process, stepped in turn for
+``--repeats`` rounds so other load hits them alike; the median is reported.
 
-One forward and backward of SmolLM2-135M-Instruct (``examples/smollm2.py`` converts it once) over a
-padding-free row of 4 sequences × 512 tokens, with plait's default gradient checkpointing, as an SFT
-step computes it (no optimizer). The variants are separate copies of the model in one process,
-stepped in turn for ``--repeats`` rounds so other load hits them alike; the median is reported.
+results/step_parts.json also records a variant measured on 2026-12-04 and then removed: a fused
+output layer + log-softmax (one autograd Function keeping only each chunk's logsumexp, commit
+3ad138f). It saved nothing in bf16 (8.53 vs 8.54 s) and 2% in fp32 (15.83 vs 15.47 s), so the
+simpler checkpointed chunks stayed.
 
     .venv/bin/python benchmarks/step_parts.py [--repeats 5] [--tokens 512] [--sequences 4]
 """
@@ -46,7 +47,6 @@ def main() -> None:
     sys.path.insert(0, str(HERE.parent / "examples"))
     from smollm2 import smollm2_path
 
-    fused = logprobs._fused_chunk_stats
     n = options.tokens * options.sequences
     ids = torch.randint(0, 49_152, (1, n), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(options.tokens).repeat(options.sequences)[None]
@@ -60,18 +60,13 @@ def main() -> None:
             rotary_in_compute_dtype(m)
         return m
 
-    variants = {  # name: (dtype, fused head, rotary tables in bf16)
-        "bf16": ("bf16", False, False), "bf16 + fused_head": ("bf16", True, False),
-        "bf16 + rotary_bf16": ("bf16", False, True), "bf16 + both": ("bf16", True, True),
-        "fp32": ("fp32", False, False), "fp32 + fused_head": ("fp32", True, False),
-    }
+    variants = {"bf16": False, "bf16 + rotary_bf16": True}  # name: rotary tables in bf16
     models = {rotary: model(rotary) for rotary in (False, True)}
 
-    def step(dtype: str, fused_head: bool, rotary_bf16: bool) -> float:
+    def step(rotary_bf16: bool) -> float:
         m = models[rotary_bf16]
-        logprobs._fused_chunk_stats = fused if fused_head else (lambda *args: None)
         start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
             out = logprobs.token_logprobs(m, ids, position_ids=positions, with_argmax=True)
         out.logps.sum().backward()
         seconds = time.perf_counter() - start
@@ -79,17 +74,13 @@ def main() -> None:
         return seconds
 
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for name, spec in variants.items():  # warm-up
-        step(*spec)
+    for rotary_bf16 in variants.values():  # warm-up
+        step(rotary_bf16)
     for _ in range(options.repeats):
-        for name, spec in variants.items():
-            times[name].append(step(*spec))
-    logprobs._fused_chunk_stats = fused
+        for name, rotary_bf16 in variants.items():
+            times[name].append(step(rotary_bf16))
     median = {name: statistics.median(ts) for name, ts in times.items()}
-    ratios = {"fused_head bf16": median["bf16"] / median["bf16 + fused_head"],
-              "rotary_bf16": median["bf16"] / median["bf16 + rotary_bf16"],
-              "both bf16": median["bf16"] / median["bf16 + both"],
-              "fused_head fp32": median["fp32"] / median["fp32 + fused_head"]}
+    ratios = {"rotary_bf16": median["bf16"] / median["bf16 + rotary_bf16"]}
     result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_bf16_support()[1], "cores": os.cpu_count(),
               "torch_threads": torch.get_num_threads(), "load_1min": os.getloadavg()[0],
               "tokens": n, "command": " ".join(sys.argv[1:]), "median_s": median, "speedup": ratios, "times_s": times}

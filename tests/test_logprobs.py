@@ -395,9 +395,8 @@ def test_under_bf16_autocast_chunked_equals_the_models_own_logits_in_values_and_
         out = all_stats(model, ids, mask, chunked=chunked, chunk_size=24)
         results.append((out, grads(model, weighted_sum(out, mask))))
     (chunked_out, chunked_grads), (plain_out, plain_grads) = results
-    # The same bf16 projections; the fp32 softmax statistics round differently (fused: logsumexp).
     for field in ("logps", "entropy", "logit_mean"):
-        assert_close_relative(getattr(chunked_out, field), getattr(plain_out, field), tol=1e-6, msg=field)
+        assert torch.equal(getattr(chunked_out, field), getattr(plain_out, field)), field
     for name, g in plain_grads.items():
         assert_close_relative(chunked_grads[name], g, tol=2e-2, msg=name)
 
@@ -444,54 +443,3 @@ def test_prompt_tuning_virtual_tokens_are_not_scored_and_sft_trains_them(tmp_pat
     before = trainer.model.get_prompt_embedding_to_save("default").clone()
     trainer.train()
     assert not torch.equal(before, trainer.model.get_prompt_embedding_to_save("default"))
-
-
-@FEW
-@given(st.integers(1, 9), st.sampled_from([1.0, 0.7, 1.6]), st.booleans(), st.sampled_from([torch.float32, torch.bfloat16]),
-       st.integers(0, 2**16))
-def test_the_fused_output_layer_equals_projection_then_log_softmax_in_values_and_gradients(n, temperature, bias, dtype, seed):
-    """plait.engine.fused_head against the unfused statistics of the same projection (autocast or not):
-    log-probs, entropies and logit means, and the gradients into the hidden states, the weight and bias."""
-    from plait.engine.fused_head import linear_head_stats
-    from plait.engine.logprobs import _Stats
-
-    torch.manual_seed(seed)
-    head = torch.nn.Linear(16, 40, bias=bias)
-    with torch.no_grad():
-        head.weight.mul_(4.0)  # peaked distributions, so errors would show
-    h = torch.randn(n, 16, requires_grad=True)
-    targets = torch.randint(0, 40, (n,))
-    g_logp, g_entropy, g_mean = torch.randn(n), torch.randn(n), torch.randn(n)
-    results = []
-    for fused in (False, True):
-        h.grad = None
-        head.zero_grad(set_to_none=True)
-        if fused:
-            weight = head.weight.detach().to(dtype)
-            out = linear_head_stats(h, head, weight, None if not bias else head.bias.detach().to(dtype), targets,
-                                    temperature, True, True, True)
-        else:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                logits = head(h)
-            out = _Stats(temperature, True, True, True)(logits.float(), targets)
-        (out[0] * g_logp + out[1] * g_entropy + out[2] * g_mean).sum().backward()
-        results.append((out, [h.grad, head.weight.grad] + ([head.bias.grad] if bias else [])))
-    (plain, plain_grads), (fused, fused_grads) = results
-    for a, b in zip(fused, plain):
-        assert_close_relative(a, b, tol=1e-5)
-    assert torch.equal(fused[3], plain[3])  # the argmax
-    # bf16: the bias gradient is summed in fp32 here, in bf16 by autocast's linear
-    for a, b in zip(fused_grads, plain_grads):
-        assert_close_relative(a, b, tol=1e-5 if dtype == torch.float32 else 2e-2)
-
-
-def test_a_hooked_or_adapted_output_layer_takes_the_unfused_path():
-    from plait.engine.fused_head import fusable
-
-    head = torch.nn.Linear(4, 8)
-    assert fusable(head)
-    handle = head.register_forward_hook(lambda *a: None)
-    assert not fusable(head)
-    handle.remove()
-    lora = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 8)), peft.LoraConfig(target_modules=["0"]))
-    assert not fusable(lora.base_model.model[0])

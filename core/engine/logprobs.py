@@ -35,8 +35,6 @@ from torch.utils.checkpoint import checkpoint
 
 from plait.errors import PlaitError
 
-from .fused_head import fusable, linear_head_stats
-
 __all__ = ["TokenLogprobs", "compare_distributions", "default_chunk_size", "fp32_projection", "sequence_starts",
            "token_logprobs"]
 
@@ -183,9 +181,9 @@ def compare_distributions(
         return (logits / temperature if temperature != 1.0 else logits).log_softmax(-1)
 
     if chunked:
-        hidden, head, project, output, _ = _final_hidden(model, input_ids, forward_kwargs)
+        hidden, head, project, output = _final_hidden(model, input_ids, forward_kwargs)
         with torch.no_grad():
-            other_hidden, other_head, other_project, _, _ = _final_hidden(other, input_ids, forward_kwargs)
+            other_hidden, other_head, other_project, _ = _final_hidden(other, input_ids, forward_kwargs)
         _check_same_width(_width(head), _width(other_head))
         mine, theirs = hidden[rows], other_hidden[rows]
 
@@ -315,13 +313,12 @@ def _fp32_head(model):
         handle.remove()
 
 
-def _final_hidden(model, input_ids, forward_kwargs, fp32_head: bool = False
-                  ) -> tuple[Tensor, torch.nn.Module, Callable[[Tensor], Tensor], Any, torch.dtype | None]:
+def _final_hidden(model, input_ids, forward_kwargs,
+                  fp32_head: bool = False) -> tuple[Tensor, torch.nn.Module, Callable[[Tensor], Tensor], Any]:
     """Run ``model`` once and return the hidden states its output layer projects ``[B, T, H]``,
     that layer, ``project`` (hidden states -> logits exactly as the model computes them: the layer,
     what follows it (see :func:`_post_head`), under the autocast its forward ran under; with
-    ``fp32_head`` the layer in float32 instead), the model's output (logits of one position per row)
-    and the dtype the fused path projects in (None where it cannot: see :func:`_compute_dtype`)."""
+    ``fp32_head`` the layer in float32 instead) and the model's output (logits of one position per row)."""
     inner = extract_model_from_parallel(model)  # unwraps DDP/compile; PeftModel forwards attributes
     head = inner.get_output_embeddings()
     if head is None:
@@ -353,11 +350,11 @@ def _final_hidden(model, input_ids, forward_kwargs, fp32_head: bool = False
 
     def project(h: Tensor) -> Tensor:
         if fp32 is not None:
-            return _then(post, fp32(h))
+            return post(fp32(h))
         # accelerate's mixed precision autocasts only the model's forward; the chunks run after
         # it returns, so they re-enter the same autocast (bf16 projections, as the model's own).
         with autocast():
-            return _then(post, call(h))
+            return post(call(h))
 
     # An FSDP2-sharded layer is called through forward(): its module hooks would start a second
     # unshard/reshard cycle of its group outside the model's forward (seen: a segfault in the next
@@ -366,7 +363,7 @@ def _final_hidden(model, input_ids, forward_kwargs, fp32_head: bool = False
 
     if rng is not None:
         _check_head(head, project, hidden, output.logits, rng)
-    return hidden, head, project, output, _compute_dtype(head, autocast, fp32_head) if post is None else None
+    return hidden, head, project, output
 
 
 def _fsdp2_sharded(module: torch.nn.Module) -> bool:
@@ -383,7 +380,7 @@ def _predictors(select: Tensor, shape: torch.Size) -> Tensor:
 
 def _chunked(model, input_ids, forward_kwargs, targets, stats: _Stats, chunk_size,
              fp32_head: bool = False, rows: Tensor | None = None) -> tuple[Tensor, ...]:
-    hidden, head, project, output, compute_dtype = _final_hidden(model, input_ids, forward_kwargs, fp32_head)
+    hidden, head, project, output = _final_hidden(model, input_ids, forward_kwargs, fp32_head)
     flat = _own_positions(hidden, input_ids).reshape(-1, hidden.shape[-1])
     if rows is not None:
         flat, targets = flat[rows], targets[rows]
@@ -393,33 +390,14 @@ def _chunked(model, input_ids, forward_kwargs, targets, stats: _Stats, chunk_siz
         return stats(project(h).float(), t)
 
     needs_grad = torch.is_grad_enabled() and (flat.requires_grad or any(p.requires_grad for p in head.parameters()))
-    fused = _fused_chunk_stats(head, compute_dtype, stats)
     pieces = []
     for h, t in zip(flat.split(size), targets.split(size)):
-        if fused is not None:  # keeps only each chunk's logsumexp; its backward recomputes the logits once
-            pieces.append(fused(h, t))
-        else:  # backward recomputes this chunk's logits instead of keeping [chunk, V] alive until then
-            pieces.append(checkpoint(chunk_stats, h, t, use_reentrant=False) if needs_grad else chunk_stats(h, t))
+        # Backward recomputes this chunk's logits instead of keeping [chunk, V] alive until then.
+        pieces.append(checkpoint(chunk_stats, h, t, use_reentrant=False) if needs_grad else chunk_stats(h, t))
     values = tuple(torch.cat(parts) if parts else flat.new_zeros(0) for parts in zip(*pieces))
     if rows is None:
         return values
     return tuple(v.new_zeros(rows.shape[0]).masked_scatter(rows, v) for v in values)
-
-
-def _fused_chunk_stats(head: torch.nn.Module, dtype: torch.dtype | None,
-                       stats: _Stats) -> Callable[[Tensor, Tensor], tuple[Tensor, ...]] | None:
-    """The chunk statistics through :mod:`plait.engine.fused_head` when it computes them all (not the
-    collision probability), with the layer's weights cast to ``dtype`` once for every chunk."""
-    if dtype is None or stats.with_collision:
-        return None
-    weight = head.weight.detach().to(dtype)
-    bias = None if head.bias is None else head.bias.detach().to(dtype)
-
-    def fused(h: Tensor, t: Tensor) -> tuple[Tensor, ...]:
-        return linear_head_stats(h, head, weight, bias, t, stats.temperature, stats.with_entropy,
-                                 stats.with_logit_mean, stats.with_argmax)
-
-    return fused
 
 
 def _own_positions(values: Tensor, input_ids: Tensor) -> Tensor:
@@ -429,29 +407,12 @@ def _own_positions(values: Tensor, input_ids: Tensor) -> Tensor:
     return values[:, extra:] if extra > 0 else values
 
 
-def _then(post: Callable[[Tensor], Tensor] | None, z: Tensor) -> Tensor:
-    return z if post is None else post(z)
-
-
-def _compute_dtype(head: torch.nn.Module, autocast: _AutocastState, fp32_head: bool) -> torch.dtype | None:
-    """The dtype ``head`` projects in (float32 with ``fp32_head``, else the autocast's dtype where
-    one is on, else its weight's), when the fused path can compute it (:func:`fused_head.fusable`)."""
-    if not fusable(head):
-        return None
-    if fp32_head:
-        return torch.float32
-    return autocast.dtype if autocast.enabled else head.weight.dtype
-
-
-def _post_head(config) -> Callable[[Tensor], Tensor] | None:
-    """What a transformers model does to its output layer's result before returning logits (None: nothing)."""
+def _post_head(config) -> Callable[[Tensor], Tensor]:
+    """What a transformers model does to its output layer's result before returning logits."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     scale = getattr(text, "logit_scale", None)  # Cohere multiplies
     divisor = getattr(text, "logits_scaling", None)  # Granite divides
     cap = getattr(text, "final_logit_softcapping", None)  # Gemma 2/3: cap·tanh(z/cap)
-
-    if not (isinstance(scale, (int, float)) or isinstance(divisor, (int, float)) or cap):
-        return None
 
     def post(z: Tensor) -> Tensor:
         if isinstance(scale, (int, float)):
@@ -470,20 +431,11 @@ def _rng_state(device: torch.device) -> tuple:
     return torch.get_rng_state(), accel
 
 
-@attrs.frozen
-class _AutocastState:
-    """The autocast state active on a device when captured; calling it re-enters that state."""
-
-    device_type: str
-    enabled: bool
-    dtype: torch.dtype
-
-    def __call__(self) -> torch.autocast:
-        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
-
-
-def _autocast_state(device: torch.device) -> _AutocastState:
-    return _AutocastState(device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
+def _autocast_state(device: torch.device) -> Callable[[], Any]:
+    """A context manager factory that re-enters the autocast state active now on ``device``."""
+    enabled = torch.is_autocast_enabled(device.type)
+    dtype = torch.get_autocast_dtype(device.type)
+    return lambda: torch.autocast(device.type, dtype=dtype, enabled=enabled)
 
 
 def _check_head(head, project, hidden: Tensor, model_logits: Tensor, rng: tuple) -> None:
