@@ -14,7 +14,7 @@ import pathlib
 import random
 
 from .tiny_model import BUILDER_VERSION, cached_build, tiny_model_path
-from .tool_model import _train
+from .tool_model import teach
 
 VERSION = "1"
 LETTERS = ("A", "B", "C", "D")
@@ -30,7 +30,6 @@ def quiz_row() -> dict:
 
 def build_quiz_model(directory, *, steps: int = 80, seed: int = 0) -> pathlib.Path:
     """Fine-tune the tiny model on quiz conversations with random letters (assistant tokens only) and save it."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from plait.data.chat import encode_with_assistant_mask
@@ -42,25 +41,10 @@ def build_quiz_model(directory, *, steps: int = 80, seed: int = 0) -> pathlib.Pa
     for _ in range(32):
         conversation = []
         for question in QUESTIONS:
-            conversation += [{"role": "user", "content": question}, {"role": "assistant", "content": rng.choice(LETTERS)}]
+            conversation += [{"role": "user", "content": question},
+                             {"role": "assistant", "content": rng.choice(LETTERS)}]
         rows.append(encode_with_assistant_mask(tokenizer, conversation))
-    width = max(len(ids) for ids, _ in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-    labels = torch.full((len(rows), width), -100)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (row, mask) in enumerate(rows):
-        ids[i, :len(row)], attention[i, :len(row)] = torch.tensor(row), 1
-        labels[i, :len(row)] = torch.tensor([t if m else -100 for t, m in zip(row, mask)])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a model this small trains faster on one thread than on a loaded machine's all
-    try:
-        _train(model, ids, attention, labels, steps, seed)
-    finally:
-        torch.set_num_threads(threads)
-    directory = pathlib.Path(directory)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return teach(directory, tokenizer, model, rows, steps, seed)
 
 
 def quiz_model_path() -> pathlib.Path:

@@ -31,7 +31,6 @@ DIRECT_CONVERSATION = [{"role": "user", "content": QUESTION}, {"role": "assistan
 
 def build_tool_model(directory, *, steps: int = 60, seed: int = 0, conversations=(TOOL_CONVERSATION,)) -> pathlib.Path:
     """Fine-tune the tiny model on ``conversations`` (assistant tokens only) and save it to ``directory``."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from plait.data.chat import encode_with_assistant_mask
@@ -43,6 +42,15 @@ def build_tool_model(directory, *, steps: int = 60, seed: int = 0, conversations
     calculator = make_plugins().environments.get("env.calculator")  # the built-in tool, as a run finds it
     schemas = [tool.schema for tool in calculator.obj(calculator.make_params()).tools]
     rows = [encode_with_assistant_mask(tokenizer, conv, tools=schemas) for conv in conversations]
+    return teach(directory, tokenizer, model, rows, steps, seed)
+
+
+def teach(directory, tokenizer, model, rows, steps: int, seed: int) -> pathlib.Path:
+    """Train ``model`` for ``steps`` full-batch Adam steps on ``rows`` (token ids and assistant masks, as
+    :func:`plait.data.chat.encode_with_assistant_mask` gives them; the loss on assistant tokens only)
+    and save it with ``tokenizer`` to ``directory``."""
+    import torch
+
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id)
     labels = torch.full((len(rows), width), -100)
@@ -54,25 +62,19 @@ def build_tool_model(directory, *, steps: int = 60, seed: int = 0, conversations
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a model this small trains many times faster on one thread than on a loaded machine's all
     try:
-        _train(model, ids, attention, labels, steps, seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+            for _ in range(steps):
+                model(input_ids=ids, attention_mask=attention, labels=labels).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
     finally:
         torch.set_num_threads(threads)
     directory = pathlib.Path(directory)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
-
-
-def _train(model, ids, attention, labels, steps: int, seed: int) -> None:
-    import torch
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-        for _ in range(steps):
-            model(input_ids=ids, attention_mask=attention, labels=labels).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
 
 
 def tool_model_path(mixed: bool = False) -> pathlib.Path:
