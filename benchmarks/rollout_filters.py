@@ -1,28 +1,33 @@
 """Dynamic sampling on the tiny model: reward against generated tokens, with and without filter.zero_variance.
 
-    .venv/bin/python benchmarks/rollout_filters.py [--seeds 0 1 2] [--tokens 3072]
+    .venv/bin/python benchmarks/rollout_filters.py [--task any_low|banded] [--lr 1e-2] [--group 4]
+        [--seeds 0 1 2] [--tokens 3072] [--arms "plain GRPO" zero_variance] [--results FILE]
 
-GRPO learns a binary verifiable reward (1 when a completion holds a token with id < LOW, about 11% of
-random 4-token completions), so many groups of 4 are all 0 (or all 1) and carry no gradient. Each run
-spends the same budget of generated completion tokens, every round counted (a filtered run's dropped
-groups too), and the reward of every completion it generated is recorded as it was scored: both runs
-sample from their current policy, so the mean reward of a window of generated tokens is the policy's reward
-there. Printed: the mean reward per eighth of the token budget, per arm averaged over seeds, the
-optimizer steps each arm took, and the same reward at equal optimizer steps (the first steps both
-took). Not part of the test suite (about 6 minutes on 2 CPU cores).
+GRPO learns a binary verifiable reward on 4-token completions, so many groups are all 0 (or all 1) and
+carry no gradient. ``any_low``: 1 when a completion holds a token with id < LOW (about 11% of random
+completions), one skill every prompt shares. ``banded``: 1 when it holds a token in its prompt's own band
+of LOW ids (four bands), a skill per prompt. Each run spends the same budget of generated completion
+tokens, every round counted (a filtered run's dropped groups too), and the reward of every completion it
+generated is recorded as it was scored: both runs sample from their current policy, so the mean reward
+of a window of generated tokens is the policy's reward there. Printed: the mean reward per eighth of the
+token budget, per arm averaged over seeds, the optimizer steps each arm took, and the same reward at
+equal optimizer steps (the first steps both took); ``--results`` adds them to a JSON file under their
+settings. Not part of the test suite (2-4 minutes per arm and setting on one core).
 
-Measured 2026-12-04 on the 2-core build machine (seeds 0-2, 3072 tokens; docs/methods.md quotes it):
-  equal tokens, per eighth: plain         0.090 0.226 0.601 0.840 0.962 0.972 0.993 1.000 (48 steps)
-                            zero_variance 0.087 0.104 0.184 0.267 0.521 0.833 0.986 1.000 (19 steps)
-  equal steps, per quarter of the first 19: plain 0.075 0.183 0.433 0.698; zero_variance 0.110 0.254 0.612 0.990
+Measured 2026-12-04 on a 2-core Xeon (benchmarks/results/rollout_filters.json; docs/methods.md tabulates
+it): at equal tokens the unfiltered arm is ahead in every setting at lr 1e-2 (any_low with groups of 4
+and 8, banded); at equal steps the filtered one is.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import pathlib
 import statistics
 import tempfile
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -38,16 +43,32 @@ WORDS = ["The river", "A good answer", "What is 7 plus 5?", "Python is", "The we
          "The children", "Nobody could", "Once upon", "In the end", "She said", "Tomorrow we", "Red and",
          "Counting to", "The cat", "Why is"]
 WINDOWS = 8
+ARMS = {"plain GRPO": None, "zero_variance": [{"name": "zero_variance"}]}
+
+
+def any_low(prompt: str, ids: list[int]) -> bool:
+    """One skill shared by every prompt: any token id below LOW."""
+    return any(t < LOW for t in ids)
+
+
+def banded(prompt: str, ids: list[int]) -> bool:
+    """A skill per prompt: a token in the prompt's own band of LOW ids (four bands, four prompts each), so what
+    one prompt's group teaches does not carry over to prompts of another band."""
+    band = WORDS.index(prompt) % 4
+    return any(band * LOW <= t < (band + 1) * LOW for t in ids)
+
+
+TASKS = {"any_low": any_low, "banded": banded}
 
 
 class Ledger:
     """Every scored completion's (tokens generated so far, optimizer step, reward), in the order generated."""
 
-    def __init__(self) -> None:
-        self.tokens, self.points = 0, []
+    def __init__(self, task=any_low) -> None:
+        self.tokens, self.points, self.task = 0, [], task
 
-    def reward(self, completion_ids, trainer_state=None, **kwargs):
-        scores = [float(any(t < LOW for t in ids)) for ids in completion_ids]
+    def reward(self, prompts, completion_ids, trainer_state=None, **kwargs):
+        scores = [float(self.task(prompt, ids)) for prompt, ids in zip(prompts, completion_ids)]
         for ids, score in zip(completion_ids, scores):
             self.tokens += len(ids)
             self.points.append((self.tokens, trainer_state.global_step, score))
@@ -63,14 +84,15 @@ class StopAtBudget(TrainerCallback):
             control.should_training_stop = True
 
 
-def run(seed: int, budget: int, filters: list | None) -> tuple[list[float], int, Ledger]:
-    ledger = Ledger()
+def run(seed: int, budget: int, filters: list | None, task=any_low, lr: float = 1e-2, group: int = 4,
+        rounds: int = 4) -> tuple[list[float], int, Ledger]:
+    ledger = Ledger(task)
     torch.manual_seed(seed)
     with tempfile.TemporaryDirectory() as out:
         args = plait.GRPOConfig(
-            output_dir=out, per_device_train_batch_size=16, num_generations=4, max_completion_length=4,
-            learning_rate=1e-2, max_steps=10_000, logging_steps=1000, save_strategy="no", report_to="none",
-            disable_tqdm=True, seed=seed, rollout_filters=filters, max_num_gen_batches=4)
+            output_dir=out, per_device_train_batch_size=16, num_generations=group, max_completion_length=4,
+            learning_rate=lr, max_steps=10_000, logging_steps=1000, save_strategy="no", report_to="none",
+            disable_tqdm=True, seed=seed, rollout_filters=filters, max_num_gen_batches=rounds)
         trainer = plait.GRPOTrainer(str(tiny_model_path()), reward_funcs=ledger.reward, args=args,
                                     train_dataset=Dataset.from_list([{"prompt": w} for w in WORDS]))
         trainer.add_callback(StopAtBudget(ledger, budget))
@@ -93,12 +115,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--tokens", type=int, default=3072, help="generated completion tokens per run")
+    parser.add_argument("--task", choices=sorted(TASKS), default="any_low")
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--group", type=int, default=4, help="num_generations")
+    parser.add_argument("--rounds", type=int, default=4, help="max_num_gen_batches of the filtered arm")
+    parser.add_argument("--arms", nargs="+", default=["plain GRPO", "zero_variance"])
+    parser.add_argument("--results", type=pathlib.Path, help="a JSON file to add each arm's curves to")
     cli = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    arms = {"plain GRPO": None, "zero_variance": [{"name": "zero_variance"}]}
+    arms = {name: ARMS[name] for name in cli.arms}
     results = {}
     for name, filters in arms.items():
-        curves, steps, ledgers = zip(*(run(seed, cli.tokens, filters) for seed in cli.seeds))
+        curves, steps, ledgers = zip(*(run(seed, cli.tokens, filters, TASKS[cli.task], cli.lr, cli.group, cli.rounds)
+                                       for seed in cli.seeds))
         results[name] = ([statistics.fmean(c[k] for c in curves) for k in range(WINDOWS)], steps, ledgers)
     print(f"mean reward of the completions generated in each eighth of {cli.tokens} tokens "
           f"(seeds {cli.seeds}; chance: {1 - (1 - LOW / 1000) ** 4:.3f} per completion if ids are uniform over 1000)")
@@ -108,6 +137,21 @@ def main() -> None:
     print(f"mean reward of the completions sampled in each quarter of the first {common} optimizer steps")
     for name, (_, _, ledgers) in results.items():
         print(f"{name:>14}: " + "  ".join(f"{r:.3f}" for r in by_step(list(ledgers), common)))
+    if cli.results:
+        record(cli, results)
+
+
+def record(cli: argparse.Namespace, results: dict) -> None:
+    """Add each arm's curve to ``cli.results`` under its settings (one file gathers every setting's arms)."""
+    table = json.loads(cli.results.read_text()) if cli.results.exists() else {"runs": []}
+    settings = {"task": cli.task, "lr": cli.lr, "num_generations": cli.group, "tokens": cli.tokens, "seeds": cli.seeds,
+                "max_num_gen_batches": cli.rounds}
+    for name, (curve, steps, ledgers) in results.items():
+        table["runs"] = [r for r in table["runs"] if (r["settings"], r["arm"]) != (settings, name)]
+        table["runs"].append({"settings": settings, "arm": name, "date": time.strftime("%Y-%m-%d"),
+                              "reward_per_eighth_of_tokens": [round(r, 3) for r in curve], "optimizer_steps": list(steps),
+                              "reward_per_quarter_of_steps": [round(r, 3) for r in by_step(list(ledgers), min(steps))]})
+    cli.results.write_text(json.dumps(table, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -174,6 +174,25 @@ def test_an_engine_with_its_own_weights_trains_within_the_staleness_bound():
                                         for th in __import__("threading").enumerate())
 
 
+def first_token_parity(completion_ids, **kwargs):
+    """1 for an even first token: a group of two ties half the time, so zero_variance drops it."""
+    return [float(ids[0] % 2 == 0) if ids else 0.0 for ids in completion_ids]
+
+
+def test_refill_rounds_sample_from_the_weights_of_this_step():
+    # Dynamic sampling: a refill round is sampled by the trainer, and an engine holding its own weights gets
+    # this step's weights first, one push per refill round on top of the start and the per-step pushes.
+    t = trainer(reward_funcs=first_token_parity, plugins=plait.make_plugins(plugins=[CopyEnginePlugin()]),
+                generation_backend="generation.copy_engine", rollout_filters=["zero_variance"], max_num_gen_batches=3,
+                per_device_train_batch_size=4, num_generations=2, max_steps=3)
+    t.train()
+    logs = [h for h in t.state.log_history if "rollout_filter/rounds" in h]
+    refills = sum(h["rollout_filter/rounds"] - 1 for h in logs)
+    assert len(logs) == 3 and refills >= 1
+    assert t.backend.loads == 1 + 3 + refills
+    assert all(h["frac_reward_zero_std"] == 0.0 or h["rollout_filter/padded_groups"] > 0 for h in logs)
+
+
 def test_thread_worker_holds_a_batch_until_its_weights_are_new_enough():
     t = trainer(plugins=plait.make_plugins(plugins=[CopyEnginePlugin()]), generation_backend="generation.copy_engine")
     worker = ThreadWorker(t.backend)

@@ -158,7 +158,7 @@ COMMON = dict(per_device_train_batch_size=4, num_generations=2, max_completion_l
 
 @pytest.mark.parametrize("trainer, config, overrides, streamed, message", [
     ("GRPOTrainer", "GRPOConfig", {"max_num_gen_batches": 0}, False, "max_num_gen_batches=0 must be an integer >= 1"),
-    ("AsyncGRPOTrainer", "AsyncGRPOConfig", {}, False, "AsyncGRPOTrainer has its own sample step"),
+    ("OnlineDPOTrainer", "OnlineDPOConfig", {}, False, "online DPO's judge ranks pairs, so there are no group rewards"),
     ("RLOOTrainer", "RLOOConfig", {}, True, "refill batches from the train_dataset by index, which a stream has not"),
 ])
 def test_runs_that_cannot_refill_are_refused_before_the_model_loads(trainer, config, overrides, streamed, message):
@@ -186,18 +186,18 @@ def parity(completion_ids, trainer_state=None, **kwargs):
 '''
 
 
-def plait_grpo(tmp_path: Path, output: Path, *extra: str, **env: str) -> subprocess.Popen:
+def plait_grpo(tmp_path: Path, output: Path, *extra: str, method: str = "grpo", **env: str) -> subprocess.Popen:
     (tmp_path / "filter_rewards.py").write_text(REWARDS)
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": w}) + "\n" for w in WORDS))
     recipe = tmp_path / "grpo.yaml"
     recipe.write_text(yaml.safe_dump({
-        "method": "grpo", "model": str(tiny_model_path()),
+        "method": method, "model": str(tiny_model_path()),
         "dataset": {"path": "json", "data_files": "prompts.jsonl"},
         "reward_funcs": ["filter_rewards:parity"],
         "training": {**COMMON, "max_steps": 6, "save_strategy": "steps", "save_steps": 3, "max_num_gen_batches": 3,
                      "rollout_filters": [{"name": "zero_variance"}]},
     }))
-    command = [str(PLAIT), "grpo", "--config", str(recipe), "--output_dir", str(output), *extra]
+    command = [str(PLAIT), method, "--config", str(recipe), "--output_dir", str(output), *extra]
     return subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(tmp_path), "HF_HUB_OFFLINE": "1", **env},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -262,3 +262,19 @@ def test_rloo_refills_dropped_groups():
     logs = [h for h in t.state.log_history if "rollout_filter/rounds" in h]
     assert len(logs) == 2 and sum(h["rollout_filter/dropped_groups"] for h in logs) >= 1
     assert all(h["frac_reward_zero_std"] == 0.0 or h["rollout_filter/padded_groups"] > 0 for h in logs)
+
+
+@pytest.mark.slow
+def test_plait_async_grpo_refills_dropped_groups_from_the_current_weights(tmp_path):
+    # The worker samples each generation batch ahead; a refill round's prompts come from the stream only
+    # once the batch is scored, so the trainer samples them itself, from its current weights (staleness 0).
+    output = tmp_path / "async"
+    finish(plait_grpo(tmp_path, output, "--max_steps", "4", "--save_strategy", "no", "--max_staleness", "1",
+                      method="async_grpo"))
+    logs = [m for m in metrics(output) if "rollout_filter/rounds" in m]
+    assert len(logs) == 4
+    assert sum(m["rollout_filter/dropped_groups"] for m in logs) >= 2
+    assert max(m["rollout_filter/rounds"] for m in logs) >= 2
+    for m in logs:
+        assert m["frac_reward_zero_std"] == 0.0 or m["rollout_filter/padded_groups"] > 0
+        assert m["async/staleness"] <= 1  # the worker's batches keep to max_staleness

@@ -578,7 +578,9 @@ class OnlineTrainer(RolloutTrainer):
 
     def check_refillable(self) -> None:
         """Dynamic sampling refills a batch with this chassis's own sampling and scoring, group by group."""
-        own = [step for step in ("sample", "score") if getattr(type(self), step) is not getattr(OnlineTrainer, step)]
+        # a chassis with its own sample step may still say how it samples a refill round (sample_refill)
+        steps = ("score",) if type(self).sample_refill is not OnlineTrainer.sample_refill else ("sample", "score")
+        own = [step for step in steps if getattr(type(self), step) is not getattr(OnlineTrainer, step)]
         if own:
             raise PlaitError(f"rollout_filters: {type(self).__name__} has its own {' and '.join(own)} step, so dropped "
                              "groups cannot be refilled; drop rollout_filters or use GRPOTrainer or RLOOTrainer")
@@ -743,7 +745,7 @@ class OnlineTrainer(RolloutTrainer):
             short = int(self.accelerator.gather(torch.tensor([wanted - len(kept)], device=device)).max())
             if short <= 0 or rounds >= p.max_num_gen_batches:
                 break
-            draft = self.sample(self.refill_inputs(wanted))
+            draft = self.sample_refill(self.refill_inputs(wanted))
             self.score(draft)
         padding = max(wanted - len(kept), 0)
         local = torch.tensor([len(dropped), padding, tokens, *by_filter.values()], device=device, dtype=torch.float64)
@@ -756,6 +758,10 @@ class OnlineTrainer(RolloutTrainer):
         if rounds == 1 and len(kept) == wanted:
             return draft
         return self.joined_draft(kept[:wanted] + (dropped[len(dropped) - padding:] if padding else []))
+
+    def sample_refill(self, inputs: dict) -> Draft:
+        """A refill round's groups: sampled as any batch is (a chassis that samples ahead samples them now)."""
+        return self.sample(inputs)
 
     def groups_of(self, draft: Draft) -> list[RolloutGroup]:
         """This process's scored groups of a draft (whole groups: :meth:`check_refillable`)."""

@@ -45,7 +45,7 @@ import signal
 import threading
 import time
 import traceback
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import attrs
 import torch
@@ -54,6 +54,7 @@ from transformers import TrainerCallback
 
 from plait import Method, PlaitError, hookimpl
 from plait.engine.config import method_config
+from plait.engine.logprobs import token_logprobs
 from plait.online.buffer import completion_columns, pack, whole_groups
 from plait.online.chassis import Draft, prompt_ids_of
 from plait.online.generation import Generations, SamplingParams
@@ -554,6 +555,24 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if result.generations.logprobs is None:
             _warn_no_logprobs()
         return self.sampled(inputs, prompt_ids, result.generations)
+
+    def sample_refill(self, inputs: dict) -> Draft:
+        """A refill round of dynamic sampling (:meth:`~plait.online.chassis.OnlineTrainer.filter_groups`),
+        sampled here from the current weights, as evaluation is: its prompts leave the refill stream only
+        once this batch is scored, so the worker has none ahead, and queued behind batches that wait for
+        later weights it would wait for this very step. Its log-probs are the current policy's, so the
+        importance weight of a fresh refill is 1."""
+        p, step = self.args.params, self.state.global_step
+        if not self.backend.shares_weights:  # the server samples with this step's weights, pushed as the worker's are
+            self.worker.push(self.model_wrapped, step, p.weight_sync_timeout)
+            self._synced_step = step
+        with self.worker.exclusive():
+            draft = super().sample(inputs)
+        if draft.generations.logprobs is None:
+            model = self.accelerator.unwrap_model(self.model)
+            logprobs = _sampled_logprobs(model, draft.generations, self.backend.pad_id, p.temperature, token_logprobs)
+            draft.generations = attrs.evolve(draft.generations, logprobs=logprobs)
+        return draft
 
     # -- resume -------------------------------------------------------------------------------
     def resume_state(self) -> dict:

@@ -177,6 +177,9 @@ class OnlineDPOTrainer(OnlineTrainer):
             raise PlaitError("remove_unused_columns=True would drop the prompt and the columns judges read; "
                              "set remove_unused_columns=False (online DPO's default)")
         RolloutTrainer.validate(self, args)  # the chassis' sizes and backend; GRPO's reward checks are not ours
+        if p.rollout_filters:
+            raise PlaitError(f"rollout_filters={p.rollout_filters!r}: online DPO's judge ranks pairs, so there are no "
+                             "group rewards to filter on; drop rollout_filters")
         if args.eval_strategy != "no" and args.per_device_eval_batch_size % PAIR:
             raise PlaitError(f"per_device_eval_batch_size={args.per_device_eval_batch_size} counts evaluation "
                              "completions, two per prompt; make it even")
