@@ -291,8 +291,9 @@ def table(results: dict) -> str:
     for block in results["settings"].values():
         for arm, r in block["runs"].items():
             if "error" in r:
+                why = next((line for line in reversed(r["error"]) if "Error" in line), r["error"][-1]).strip().replace("|", "/")
                 lines.append(f"| {block['model']} | {block['length']} | {block['dtype']} | {arm} | error: "
-                             f"{r['error'][-1][:80]} | | | | {r['load_before']:.2f}→{r['load_after']:.2f} |")
+                             f"{why[:160]} | | | | {r['load_before']:.2f}→{r['load_after']:.2f} |")
                 continue
             p = r.get("precision", {})
             computes = p.get("engine_dtype") or (f"{p.get('output')} (weights {p.get('weight')}, autocast "
@@ -316,10 +317,14 @@ def main() -> None:
     parser.add_argument("--dtypes", default="default,fp32", help="default (each library's own) and/or fp32")
     parser.add_argument("--arms", default=DEFAULT_ARMS, help=f"of {', '.join(ARMS)}")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--table", type=Path, help="only print the table of a results file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     a = parser.parse_args()
     if a.worker:
         print("RESULT " + json.dumps(worker(json.loads(a.worker))), flush=True)
+        return
+    if a.table:
+        print(table(json.loads(a.table.read_text())))
         return
     arms = a.arms.split(",")
     unknown = [arm for arm in arms if arm not in ARMS]
