@@ -63,6 +63,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--shapes", action="store_true", help="also print the top ops by their input shapes")
     options = parser.parse_args()
 
     import torch
@@ -89,7 +90,8 @@ def main() -> None:
     class Profiled(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             if state.global_step == 2:
-                window["profile"] = profile(activities=[ProfilerActivity.CPU], with_stack=True)
+                window["profile"] = profile(activities=[ProfilerActivity.CPU], with_stack=True,
+                                            record_shapes=options.shapes)
                 window["profile"].__enter__()
                 window["start"] = time.perf_counter()
 
@@ -124,6 +126,9 @@ def main() -> None:
         print(f"-- {title}")
         for name, seconds in table.items():
             print(f"{seconds:8.3f} s {seconds / total:6.1%}  {name}")
+    if options.shapes:
+        print(window["profile"].key_averages(group_by_input_shape=True).table(
+            sort_by="self_cpu_time_total", row_limit=options.top, max_name_column_width=48, max_shapes_column_width=90))
 
 
 if __name__ == "__main__":
