@@ -19,10 +19,12 @@ import attrs
 import pytest
 import torch
 import yaml
+from accelerate.utils import extract_model_from_parallel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import plait
 from plait import cli, hookimpl, make_plugins
+from plait.engine.attention import SEQUENCE_SDPA
 from plait.engine.config import contributed_fields
 from plait.engine.layout import check_multiple
 from plait.errors import PlaitError
@@ -268,6 +270,19 @@ def test_pad_to_multiple_of_reaches_the_grpo_rollout():
     out = t.rollout(t.data_collator([t.train_dataset[i] for i in range(8)]))
     assert out["prompt_length"] == 16 and out["completion_mask"].shape[1] == 16  # prompts ≤ 16, completions ≤ 6 tokens
     assert out["input_ids"].shape[1] == 32
+
+
+def test_continuous_batching_runs_in_a_bf16_trainer_and_leaves_its_attention_and_precision_as_they_were():
+    # A trainer puts the policy on plait_sdpa (padding-free batches) and, with bf16, wraps its forward in
+    # autocast; the engine refuses plait_sdpa by name, and bf16 keys meeting its float32 cache fail every request.
+    t = grpo(use_transformers_continuous_batching=True, bf16=True, max_steps=2, per_device_train_batch_size=4,
+             num_generations=2)
+    t.train()
+    assert t.state.global_step == 2
+    assert all(h["completions/mean_length"] > 0 for h in t.state.log_history if "completions/mean_length" in h)
+    policy = extract_model_from_parallel(t.model_wrapped)
+    assert policy.config._attn_implementation == SEQUENCE_SDPA
+    assert policy.__dict__["forward"] is not policy.__dict__["_original_forward"]  # training still autocasts
 
 
 def test_continuous_batching_samples_through_generate_batch(tiny):

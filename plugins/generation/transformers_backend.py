@@ -21,6 +21,7 @@ the cache is sized for the call unless the config sizes it. Guided decoding
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -34,6 +35,7 @@ from transformers import GenerationConfig
 from plait import hookimpl
 from plait.data.chat import tokenizer_of
 from plait.data.vision import RowInputs, image_token_ids
+from plait.engine.attention import SEQUENCE_SDPA
 from plait.engine.layout import check_multiple, padded_length
 from plait.errors import PlaitError
 from plait.online.generation import (
@@ -201,8 +203,9 @@ class TransformersBackend(GenerationBackend):
         device = next(model.parameters()).device
         if device.type == "cpu" and not any(options.get(name) is not None for name in CACHE_SIZE_FIELDS):
             options.update(_cpu_cache_size(prompt_ids, config, options.get("page_size")))
-        outputs = model.generate_batch(prompt_ids, generation_config=config,
-                                       continuous_batching_config=ContinuousBatchingConfig(**options), progress_bar=False)
+        with _as_the_engine_runs_it(model):
+            outputs = model.generate_batch(prompt_ids, generation_config=config, progress_bar=False,
+                                           continuous_batching_config=ContinuousBatchingConfig(**options))
         expected = len(prompt_ids) * config.num_return_sequences
         failed = [out.error for out in outputs.values() if out.error is not None]
         if failed or len(outputs) != expected:
@@ -210,6 +213,29 @@ class TransformersBackend(GenerationBackend):
                              f"completions ({failed[0] if failed else 'some requests are missing'}); set "
                              "use_transformers_continuous_batching=False or size transformers_continuous_batching_config")
         return [list(out.generated_tokens) for out in outputs.values()]
+
+
+@contextlib.contextmanager
+def _as_the_engine_runs_it(model):
+    """The policy as transformers' continuous-batching engine can run it, for one call: on ``sdpa`` where a
+    trainer put it on ``plait_sdpa`` (which is ``sdpa`` for every batch the engine builds, but which the
+    engine refuses by name), and in its weights' dtype without autocast: the engine's paged cache takes the
+    weights' dtype, and bf16 keys written into a float32 cache fail every request. accelerate's autocast
+    wrapper of ``forward`` is set aside for the call and put back, so training keeps its mixed precision."""
+    implementation = model.config._attn_implementation
+    wrapper = model.__dict__.get("forward") if "_original_forward" in model.__dict__ else None
+    if implementation == SEQUENCE_SDPA:
+        model.set_attn_implementation("sdpa")
+    if wrapper is not None:
+        model.forward = model.__dict__["_original_forward"]
+    try:
+        with torch.autocast(next(model.parameters()).device.type, enabled=False):
+            yield
+    finally:
+        if wrapper is not None:
+            model.forward = wrapper
+        if implementation == SEQUENCE_SDPA:
+            model.set_attn_implementation(SEQUENCE_SDPA)
 
 
 def _cpu_cache_size(prompt_ids: list[list[int]], config: GenerationConfig, page_size: int | None) -> dict:
