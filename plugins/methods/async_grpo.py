@@ -328,9 +328,10 @@ def _serve(config, shared, version, condition, stop, requests, replies, processi
 
 
 @torch.no_grad()
-def _sampled_logprobs(model, out: Generations, pad_id: int, temperature: float, token_logprobs) -> list[list[float]]:
+def _sampled_logprobs(model, out: Generations, pad_id: int, temperature: float, token_logprobs,
+                      device: torch.device | str = "cpu") -> list[list[float]]:
     """The sampler's log-prob of each completion token, by the trainer's own log-prob path."""
-    batch = pack(out.prompt_ids, out.completion_ids, pad_id, "cpu")
+    batch = pack(out.prompt_ids, out.completion_ids, pad_id, device)
     width = batch["prompt_length"]
     logps = token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature=temperature,
                            select=completion_columns(batch["input_ids"], width)).logps[:, width:].float()
@@ -570,7 +571,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
             draft = super().sample(inputs)
         if draft.generations.logprobs is None:
             model = self.accelerator.unwrap_model(self.model)
-            logprobs = _sampled_logprobs(model, draft.generations, self.backend.pad_id, p.temperature, token_logprobs)
+            logprobs = _sampled_logprobs(model, draft.generations, self.backend.pad_id, p.temperature, token_logprobs,
+                                         self.accelerator.device)
             draft.generations = attrs.evolve(draft.generations, logprobs=logprobs)
         return draft
 
