@@ -203,7 +203,7 @@ class TransformersBackend(GenerationBackend):
         device = next(model.parameters()).device
         if device.type == "cpu" and not any(options.get(name) is not None for name in CACHE_SIZE_FIELDS):
             options.update(_cpu_cache_size(prompt_ids, config, options.get("page_size")))
-        with _as_the_engine_runs_it(model):
+        with _as_the_engine_runs_it(model, device):
             outputs = model.generate_batch(prompt_ids, generation_config=config, progress_bar=False,
                                            continuous_batching_config=ContinuousBatchingConfig(**options))
         expected = len(prompt_ids) * config.num_return_sequences
@@ -216,7 +216,7 @@ class TransformersBackend(GenerationBackend):
 
 
 @contextlib.contextmanager
-def _as_the_engine_runs_it(model):
+def _as_the_engine_runs_it(model, device: torch.device):
     """The policy as transformers' continuous-batching engine can run it, for one call: on ``sdpa`` where a
     trainer put it on ``plait_sdpa`` (which is ``sdpa`` for every batch the engine builds, but which the
     engine refuses by name), and in its weights' dtype without autocast: the engine's paged cache takes the
@@ -229,7 +229,7 @@ def _as_the_engine_runs_it(model):
     if wrapper is not None:
         model.forward = model.__dict__["_original_forward"]
     try:
-        with torch.autocast(next(model.parameters()).device.type, enabled=False):
+        with torch.autocast(device.type, enabled=False):
             yield
     finally:
         if wrapper is not None:

@@ -529,8 +529,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def sample(self, inputs: dict) -> Draft:
         """The generation batch the worker sampled for these prompts (regenerated when too stale)."""
         if not self.model.training:  # evaluation samples in the trainer, from the current weights
-            with self.worker.exclusive() if self.worker is not None else contextlib.nullcontext():
-                return super().sample(inputs)
+            return self.sample_here(inputs)
         prompt_ids = prompt_ids_of(inputs)
         p, step = self.args.params, self.state.global_step
         index = self.buffer.step // self.buffer.per_rollout
@@ -557,6 +556,11 @@ class AsyncGRPOTrainer(GRPOTrainer):
             _warn_no_logprobs()
         return self.sampled(inputs, prompt_ids, result.generations)
 
+    def sample_here(self, inputs: dict) -> Draft:
+        """These prompts sampled in the trainer from its current weights, the worker's backend held meanwhile."""
+        with self.worker.exclusive() if self.worker is not None else contextlib.nullcontext():
+            return super().sample(inputs)
+
     def sample_refill(self, inputs: dict) -> Draft:
         """A refill round of dynamic sampling (:meth:`~plait.online.chassis.OnlineTrainer.filter_groups`),
         sampled here from the current weights, as evaluation is: its prompts leave the refill stream only
@@ -567,8 +571,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if not self.backend.shares_weights:  # the server samples with this step's weights, pushed as the worker's are
             self.worker.push(self.model_wrapped, step, p.weight_sync_timeout)
             self._synced_step = step
-        with self.worker.exclusive():
-            draft = super().sample(inputs)
+        draft = self.sample_here(inputs)
         if draft.generations.logprobs is None:
             model = self.accelerator.unwrap_model(self.model)
             logprobs = _sampled_logprobs(model, draft.generations, self.backend.pad_id, p.temperature, token_logprobs,
