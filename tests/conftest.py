@@ -29,6 +29,23 @@ if platform.machine() in ("x86_64", "AMD64") and _has_avx2():
 
 import pytest  # noqa: E402
 
+def pytest_sessionstart(session):
+    """Suites before 2026-12 installed the example plugin into the venv itself (test_example_plugin.py
+    now installs it per test process); remove such a copy once, before any worker starts, or the
+    uninstall test would still find it there."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    if hasattr(session.config, "workerinput"):
+        return
+    try:
+        importlib.metadata.distribution("plait-example-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    subprocess.run([sys.executable, "-m", "pip", "uninstall", "-q", "-y", "plait-example-plugin"], check=True)
+
+
 PLAIT_SWITCHES = ("PLAIT_DISABLE_PLUGINS", "PLAIT_DISABLE_PLUGIN_AUTOLOAD", "PLAIT_ON_PLUGIN_ERROR", "PLAIT_TRACE_HOOKS")
 
 

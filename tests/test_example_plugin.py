@@ -1,8 +1,9 @@
 """The example third-party package, really installed, and docs/writing-plugins.md, really executed.
 
-A session fixture pip-installs examples/plait-example-plugin into this environment (a normal,
-non-editable install from a copy, skipped when the installed copy already matches the source),
-so at the end of a session the plugin is installed; the uninstall test reinstalls it.
+A session fixture pip-installs examples/plait-example-plugin (a normal, non-editable install from
+a copy) into a site folder of each test process's own, put on its ``sys.path`` and on its
+subprocesses' ``PYTHONPATH``; the uninstall test removes it from there and reinstalls it. The
+shared venv is never touched, so no other test's ``plait`` process sees a half-installed plugin.
 """
 
 from __future__ import annotations
@@ -47,53 +48,51 @@ def _forget_imports() -> None:
         del sys.modules[name]
 
 
-def _installed_matches_source() -> bool:
-    try:
-        dist = importlib.metadata.distribution(DIST)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    entry_points = {ep.name: ep.value for ep in dist.entry_points if ep.group == "plait"}
-    if dist.version != VERSION or entry_points != ENTRY_POINTS:
-        return False
-    for source in (EXAMPLE / "src" / PACKAGE).glob("*.py"):
-        installed = Path(dist.locate_file(f"{PACKAGE}/{source.name}"))
-        if not installed.is_file() or installed.read_bytes() != source.read_bytes():
-            return False
-    return True
-
-
 def _pip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def install_example(tmp_dir: Path) -> None:
-    """Install the example as a user would; from a copy, so the build leaves no files in the repo."""
-    if _installed_matches_source():
-        return
-    copy = tmp_dir / "plait-example-plugin"
+def install_example(site: Path) -> None:
+    """Install the example as a user would (pip, from a copy, so the build leaves no files in the
+    repo), into ``site``: a folder of this test process's own on ``sys.path``, not the shared venv.
+    The suite runs in parallel, and every other worker's ``plait`` subprocess loads all installed
+    plugins: installing into (or uninstalling from) the venv would let them catch it half-written."""
+    copy = site.with_name(site.name + "-source")
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(EXAMPLE, copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    install = ("install", "--no-deps", "--force-reinstall", str(copy))
+    install = ("install", "--no-deps", "--upgrade", "--target", str(site), str(copy))
     # Fast and offline with this environment's setuptools; an isolated build (which fetches its
     # build backend from the package index) where that setuptools cannot build a wheel.
     result = _pip(*install, "--no-build-isolation", "--no-index")
     if result.returncode != 0:
         result = _pip(*install)
     assert result.returncode == 0, result.stdout
+    if str(site) not in sys.path:
+        sys.path.insert(0, str(site))
     _forget_imports()
-    assert _installed_matches_source()
+    assert importlib.metadata.distribution(DIST).version == VERSION
 
 
-def uninstall_example() -> None:
-    result = _pip("uninstall", "-y", DIST)
-    assert result.returncode == 0, result.stdout
+def uninstall_example(site: Path) -> None:
+    """What ``pip uninstall`` does: the package and its metadata leave the disk."""
+    shutil.rmtree(site)
     _forget_imports()
 
 
 @pytest.fixture(scope="session")
-def example_installed(tmp_path_factory):
-    install_example(tmp_path_factory.mktemp("example"))
+def example_site(tmp_path_factory):
+    """Where the example is installed for this test process; ``PYTHONPATH`` for its subprocesses."""
+    site = tmp_path_factory.mktemp("example") / "site-packages"
+    install_example(site)
+    yield site
+    sys.path.remove(str(site))
+    _forget_imports()
+
+
+@pytest.fixture
+def example_installed(example_site):
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(example_site), os.environ.get("PYTHONPATH")]))}
 
 
 @pytest.fixture
@@ -122,9 +121,9 @@ def test_plugins_report_the_distribution_and_hooks(plugins):
     assert plugins.hooks_of("example_centered_rank") == ["register_advantage_estimators"]
 
 
-def _plait(*args: str, env: dict[str, str] | None = None) -> str:
+def _plait(*args: str, env: dict[str, str]) -> str:
     script = Path(sys.executable).with_name("plait")
-    result = subprocess.run([str(script), *args], capture_output=True, text=True, env={**os.environ, **(env or {})})
+    result = subprocess.run([str(script), *args], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -141,7 +140,7 @@ def _cli(*args: str) -> str:
 
 def test_plait_plugins_lists_it_with_its_version(example_installed):
     # Through the installed console script once, in a fresh process, as a user runs it.
-    rows = [line.split() for line in _plait("plugins").splitlines()]
+    rows = [line.split() for line in _plait("plugins", env=example_installed).splitlines()]
     for name in ENTRY_POINTS:
         assert [name, DIST, VERSION] == next(row[:3] for row in rows if row and row[0] == name)
 
@@ -173,15 +172,15 @@ def test_its_loss_composes_with_a_builtin_by_name(plugins):
     assert total.item() == pytest.approx(parts["dpo.simpo"].item() + 0.5 * parts["dpo.sigmoid"].item())
 
 
-def test_after_uninstalling_naming_its_loss_is_an_error_naming_it(example_installed, tmp_path):
+def test_after_uninstalling_naming_its_loss_is_an_error_naming_it(example_site):
     try:
-        uninstall_example()
+        uninstall_example(example_site)
         plugins = make_plugins()
         assert "dpo.simpo" not in plugins.losses
         with pytest.raises(PlaitError, match=r"unknown loss 'dpo\.simpo'.*available: .*dpo\.sigmoid"):
             _build_objective(plugins)
     finally:
-        install_example(tmp_path)
+        install_example(example_site)
     assert "dpo.simpo" in make_plugins().losses
 
 
@@ -189,7 +188,7 @@ def test_after_uninstalling_naming_its_loss_is_an_error_naming_it(example_instal
 def test_the_example_passes_its_own_test_suite(example_installed):
     # Its tests use plait.testing and the plait_plugins fixture of plait's pytest plugin.
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLE / "tests")],
-                            capture_output=True, text=True, cwd=EXAMPLE)
+                            capture_output=True, text=True, cwd=EXAMPLE, env=example_installed)
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"\b8 passed\b", result.stdout), result.stdout  # 7 + the guess_number environment contract
 
