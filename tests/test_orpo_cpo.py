@@ -172,7 +172,8 @@ def test_cpo_objective(tmp_path, config, expected):
 
 
 def test_orpo_objective_and_its_whole_sequence_nll(tmp_path):
-    trainer = ORPOTrainer(str(tiny_model_path()), args=args(ORPOConfig, tmp_path, beta=0.3),
+    # padded rows, for the NLL by hand (test_padding_free_preference.py: the other layouts give the same)
+    trainer = ORPOTrainer(str(tiny_model_path()), args=args(ORPOConfig, tmp_path, beta=0.3, padding_free=False),
                           train_dataset=preference_pairs(WORDS[:4]))
     assert terms(trainer) == [("orpo.nll", 1.0), ("orpo.odds_ratio", 1.0)]
     assert trainer.objective.params_of("orpo.odds_ratio").beta == 0.3

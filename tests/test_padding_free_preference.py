@@ -19,7 +19,9 @@ from plait.engine.batches import PreferenceLogps
 from plait.engine.layout import padded_length, row_token_logprobs, rows_from_flat
 from plait.engine.logprobs import token_logprobs
 from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
+from plait.plugins.methods.cpo import CPOConfig, CPOTrainer
 from plait.plugins.methods.kto import KTOConfig, KTOTrainer
+from plait.plugins.methods.orpo import ORPOConfig, ORPOTrainer
 from plait.plugins.methods.reward_model import RewardConfig, RewardTrainer
 from plait.testing.tiny_model import noisy_tiny_model, tiny_model_path
 
@@ -177,6 +179,33 @@ def test_training_steps_and_cached_reference_equal_the_padded_path(tmp_path, lay
     assert len(logged[0]) == 3 and logged[1] == pytest.approx(logged[0], abs=1e-5)
     for (name, a), b in zip(padded.model.named_parameters(), free.model.parameters()):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4, msg=name)
+
+
+REFERENCE_FREE = {"orpo": (ORPOTrainer, ORPOConfig), "cpo": (CPOTrainer, CPOConfig)}
+
+
+@pytest.mark.parametrize("layout", ["padding-free", "prompts shared"])
+@pytest.mark.parametrize("method", sorted(REFERENCE_FREE))
+def test_orpo_and_cpo_loss_gradients_and_metrics_equal_the_padded_path(tmp_path, method, layout):
+    # ORPO's NLL reads the chosen rows' whole sequences (prompts included), CPO's their completions
+    trainer_class, config_class = REFERENCE_FREE[method]
+    runs = {}
+    for name in ("padded", layout):
+        args = config_class(output_dir=str(tmp_path / name), per_device_train_batch_size=4, report_to="none",
+                            save_strategy="no", max_length=64, beta=0.5, **LAYOUTS[name])
+        t = trainer_class(str(tiny_model_path()), args=args, train_dataset=variable_pairs(8))
+        assert (t.padding_free, t.prefix_sharing) == (name != "padded", name == "prompts shared")
+        runs[name] = loss_and_gradients(t), {k: v[-1] for k, v in t._metrics["train"].items()}
+    ((padded_loss, padded_grads, padded_batch), padded_metrics), ((free_loss, free_grads, free_batch), free_metrics) = (
+        runs.values())
+    assert {"nll_loss", "logits/chosen", "rewards/margins"} <= padded_metrics.keys()  # logged alike: the mean logits too
+    assert free_metrics == pytest.approx(padded_metrics, abs=1e-4)
+    assert padded_batch["input_ids"].shape[0] == 16 and free_batch["input_ids"].shape[0] == 1
+    assert free_batch["input_ids"].numel() < 0.8 * padded_batch["input_ids"].numel()
+    torch.testing.assert_close(free_loss, padded_loss, atol=1e-5, rtol=0)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(free_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert any(grad.abs().max() > 1e-3 for grad in padded_grads.values())
 
 
 # Llama is the tiny model's architecture (and SmolLM2's: tied embeddings, 64-wide heads); the

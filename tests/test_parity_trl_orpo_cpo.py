@@ -145,8 +145,8 @@ def test_preference_rows_are_dpo_s_without_trl_s_bos(tmp_path, tokenizer, policy
     data = Dataset.from_list([{"prompt": "The sky is", "chosen": " very blue today.", "rejected": " red"},
                               {"prompt": "one two three four five six seven", "chosen": " a b", "rejected": " x"}])
     for name in ("ORPO", "CPO"):
-        theirs, ours = (trainer(tmp_path, tokenizer, policy, name, framework, data, max_length=12)
-                        for framework in (0, 1))
+        theirs = trainer(tmp_path, tokenizer, policy, name, 0, data, max_length=12)
+        ours = trainer(tmp_path, tokenizer, policy, name, 1, data, max_length=12, padding_free=False)  # rows as TRL's
         assert len(theirs.train_dataset) == 2 and len(ours.train_dataset) == 1
         row, mine = theirs.train_dataset[0], ours.train_dataset[0]
         assert row["chosen_input_ids"][0] == tokenizer.bos_token_id

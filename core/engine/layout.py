@@ -166,6 +166,15 @@ def flat_index(batch: dict, prefix: str = "") -> torch.Tensor:
     return contiguous_index(batch[f"{prefix}seq_lengths"], batch[f"{prefix}completion_mask"].shape[1])
 
 
+def rows_attended(batch: dict) -> torch.Tensor:
+    """The ``attention_mask`` ``[rows, T]`` of a collated batch's rows in the padded layout, whatever
+    its layout (a padding-free batch's rows are ``seq_lengths`` long, right padded to ``T``)."""
+    if "attention_mask" in batch:
+        return batch["attention_mask"]
+    lengths, mask = batch["seq_lengths"], batch["completion_mask"]
+    return (torch.arange(mask.shape[1], device=mask.device) < lengths.to(mask.device)[:, None]).to(mask.dtype)
+
+
 def row_token_logprobs(token_logprobs, model, batch: dict, prefix: str = "", completion_only: bool = False, **kwargs):
     """``token_logprobs(model, ...)`` for the rows of a collated batch, ``[rows, T]`` aligned with its
     ``completion_mask``, whatever its layout: padded (``input_ids``, ``attention_mask``) or

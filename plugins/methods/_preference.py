@@ -2,7 +2,9 @@
 
 Their data is DPO's: preference rows prepared as ``plait dpo`` prepares them (prompt, chosen and
 rejected ids; ``keep_start`` truncation at ``max_length``, a pair whose prompt leaves no room
-dropped) and collated by ``collator.preference`` into 2B rows [chosen…; rejected…]. One forward
+dropped) and collated as DPO's: padding-free with each pair's prompt computed once where the
+model's attention can (``padding_free``, ``prefix_sharing``), else ``collator.preference``'s 2B
+padded rows [chosen…; rejected…]. One forward
 gives the policy's summed completion log-probs; no reference model is loaded, so the
 :class:`plait.engine.batches.PreferenceLogps` the losses get carries zeros as the reference's log-probs,
 and a ``dpo.*`` loss composed with them is its reference-free form. What TRL 1.16 logs follows the
@@ -21,10 +23,13 @@ import torch
 from plait import PlaitError
 from plait.data.prepare import prepare_dataset
 from plait.engine.batches import PreferenceLogps, logit_metrics
-from plait.engine.layout import pad_multiple_field, row_token_logprobs
+from plait.engine.layout import pad_multiple_field, row_token_logprobs, rows_attended
 from plait.engine.objective import LossChoice, Objective
 from plait.engine.trainer import PlaitTrainer
 from plait.params import positive
+from plait.plugins.data.collators.preference import preference_collator_name
+
+from ._reference import PaddingFreeRows
 
 # TrainingArguments defaults TRL 1.16's ORPOConfig and CPOConfig override
 CONFIG_DEFAULTS = {"learning_rate": 1e-6, "logging_steps": 10, "remove_unused_columns": False, "disable_dropout": True}
@@ -40,6 +45,8 @@ class PreferenceParams(LossChoice):
         "max_completion_length": "TRL's limit for encoder-decoder models; ignored for causal LMs",
         "truncation_mode": "'keep_start' cuts the completion's end, 'keep_end' the prompt's start first",
         "pad_to_multiple_of": "round batch lengths up to this multiple (null: never; auto: 128 on AWS Neuron only)",
+        "padding_free": "chosen and rejected back to back in one row, no padding (null: where the attention can)",
+        "prefix_sharing": "in a padding-free batch, compute each pair's prompt once (null: where the attention can)",
         "padding_value": "TRL's padding id; must stay null (plait pads with the tokenizer's pad token)",
         "generate_during_eval": "TRL's sampling in evaluation; must stay false (use LogCompletionsCallback)",
         "is_encoder_decoder": "TRL's encoder-decoder switch; must stay null (plait trains causal LMs)",
@@ -53,6 +60,10 @@ class PreferenceParams(LossChoice):
     max_completion_length: int | None = None
     truncation_mode: str = "keep_start"  # plait's, as DPOConfig's
     pad_to_multiple_of: int | str | None = pad_multiple_field()
+    # plait's, as DPOConfig's (TRL 1.16's ORPO and CPO pad): the pairs back to back in one row, and
+    # each pair's prompt computed once; None: where the models' attention can (plait.engine.attention)
+    padding_free: bool | None = None
+    prefix_sharing: bool | None = None
     padding_value: int | None = None
     generate_during_eval: bool = False
     is_encoder_decoder: bool | None = None
@@ -71,7 +82,7 @@ class PreferenceParams(LossChoice):
                              "plait.LogCompletionsCallback to see completions during evaluation")
 
 
-class PreferenceTrainer(PlaitTrainer):
+class PreferenceTrainer(PaddingFreeRows, PlaitTrainer):
     """Base of the reference-free preference methods; subclasses set ``nll_loss`` (the loss whose
     value is logged as nll_loss), ``shared`` (the config fields that fill the losses' parameters
     of the same name) and ``trains_on_prompt`` (whether batches carry the chosen rows'
@@ -98,8 +109,12 @@ class PreferenceTrainer(PlaitTrainer):
         return prepare_dataset(dataset, processing_class, "preference", plugins=self.plugins, max_length=p.max_length,
                                truncation_mode=p.truncation_mode, num_proc=p.dataset_num_proc)
 
+    def wants_prefix_sharing(self, args) -> bool | None:
+        return args.params.prefix_sharing
+
     def make_collator(self, processing_class, args):
-        return self.collator("collator.preference", processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
+        name = preference_collator_name(self.padding_free, self.prefix_sharing)
+        return self.collator(name, processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)
 
     def preference_logps(self, model, inputs) -> tuple[PreferenceLogps, torch.Tensor]:
         """The policy's log-probs of the 2B rows as a reference-free batch, and each row's mean logit."""
@@ -111,7 +126,7 @@ class PreferenceTrainer(PlaitTrainer):
         zeros = chosen.detach().new_zeros(chosen.shape)
         whole = {}
         if self.trains_on_prompt:  # every token with an attended predecessor, the prompt's included
-            attended = inputs["attention_mask"]
+            attended = rows_attended(inputs)
             predicted = torch.cat([torch.zeros_like(attended[:, :1]), attended[:, 1:] * attended[:, :-1]], dim=1)
             whole = {"chosen_sequence_logps": (out.logps * predicted).sum(-1).chunk(2)[0],
                      "chosen_sequence_lengths": predicted.sum(-1).to(chosen.dtype).chunk(2)[0]}

@@ -22,7 +22,25 @@ from plait.engine.trainer import PlaitTrainer
 from plait.errors import PlaitError
 
 
-class ReferenceTrainer(PlaitTrainer):
+class PaddingFreeRows:
+    """For an offline method whose ``padding_free`` field may lay its rows back to back (DPO, KTO,
+    ORPO, CPO): the field's answer, and evaluation predictions put back in rows."""
+
+    def wants_padding_free(self, args) -> bool | None:
+        return args.params.padding_free
+
+    def eval_predictions(self, model, inputs):
+        """A padding-free batch's logits and ids put back in the rows TRL 1.16 hands ``compute_metrics``
+        (right padded with the pad id), so metrics read the same arrays whichever the layout."""
+        logits, ids = super().eval_predictions(model, inputs)
+        if "seq_lengths" not in inputs:
+            return logits, ids
+        lengths, width, index = inputs["seq_lengths"], inputs["completion_mask"].shape[1], flat_index(inputs)
+        return (rows_from_flat(logits, lengths, width, index=index),
+                rows_from_flat(ids, lengths, width, pad_token_id(self.processing_class), index=index))
+
+
+class ReferenceTrainer(PaddingFreeRows, PlaitTrainer):
     """Base of offline methods with a reference; their params inherit
     :class:`plait.engine.models.ReferenceSync` and have ``ref_model_init_kwargs``,
     ``precompute_ref_log_probs``, ``precompute_ref_batch_size``, ``max_length``,
@@ -56,19 +74,6 @@ class ReferenceTrainer(PlaitTrainer):
             return ("precompute_ref_log_probs=True scores every row before training; set it to False (the reference "
                     "then scores each batch as it is read)")
         return None
-
-    def wants_padding_free(self, args) -> bool | None:
-        return args.params.padding_free  # DPO's and KTO's field
-
-    def eval_predictions(self, model, inputs):
-        """A padding-free batch's logits and ids put back in the rows TRL 1.16 hands ``compute_metrics``
-        (right padded with the pad id), so metrics read the same arrays whichever the layout."""
-        logits, ids = super().eval_predictions(model, inputs)
-        if "seq_lengths" not in inputs:
-            return logits, ids
-        lengths, width, index = inputs["seq_lengths"], inputs["completion_mask"].shape[1], flat_index(inputs)
-        return (rows_from_flat(logits, lengths, width, index=index),
-                rows_from_flat(ids, lengths, width, pad_token_id(self.processing_class), index=index))
 
     def with_reference_logps(self, dataset, processing_class, args, columns: Sequence[str],
                              compute: Callable[[dict], Sequence[torch.Tensor]], **depends_on):
