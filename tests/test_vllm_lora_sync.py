@@ -63,6 +63,20 @@ def test_adapters_vllm_cannot_serve_take_the_merged_route(lora, reason):
     assert "no PEFT adapter" in lora_unservable(model.get_base_model())
 
 
+def test_a_quantized_base_is_refused_on_the_merged_route_before_the_engine_starts():
+    from plait.errors import PlaitError
+    from plait.plugins.generation.vllm_colocate import VLLMColocateBackend
+
+    model, tokenizer = lora_policy()
+    layer = model.get_base_model().model.layers[0].mlp.down_proj.base_layer
+    # packed 4-bit weights as bitsandbytes' Params4bit holds them: bytes, no float a merged push could carry
+    layer.weight = torch.nn.Parameter(torch.zeros(layer.weight.numel() // 2, 1, dtype=torch.uint8), requires_grad=False)
+    backend = VLLMColocateBackend(model, tokenizer)
+    with pytest.raises(PlaitError, match=r"quantized \(not floats\).*set vllm_lora_sync=True \(only the adapter travels\)"):
+        backend.start()
+    assert backend.engine is None
+
+
 def trainer_greedy(model, tokenizer, prompt_ids, n):
     with torch.no_grad():
         return [model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),

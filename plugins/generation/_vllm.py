@@ -83,6 +83,14 @@ class LoRASyncParams:
     lora_sync: bool = False
 
 
+def refuse_quantized_merge(model: torch.nn.Module, fix: str) -> None:
+    """A quantized (QLoRA) base cannot take the merged route: its packed weights are no model's
+    parameters, and cannot be merged or loaded by the engine. Refused before the engine starts."""
+    if any(not p.dtype.is_floating_point for p in model.parameters()):
+        raise PlaitError(f"the policy's base weights are quantized (not floats), which a merged weight push cannot "
+                         f"carry; {fix} (only the adapter travels)")
+
+
 def refuse_transformers_options(args, who: str) -> None:
     """The vLLM backends cannot honour the transformers backend's continuous batching: say so."""
     for name in ("use_transformers_continuous_batching", "use_transformers_paged"):  # the transformers backend's fields

@@ -53,7 +53,14 @@ from plait.online.weights import (
 )
 from plait.params import in_range
 
-from ._vllm import Engine, LoRASyncParams, lora_engine_options, on_cpu, refuse_transformers_options
+from ._vllm import (
+    Engine,
+    LoRASyncParams,
+    lora_engine_options,
+    on_cpu,
+    refuse_quantized_merge,
+    refuse_transformers_options,
+)
 
 NAME = "generation.vllm_colocate"
 
@@ -122,6 +129,8 @@ class VLLMColocateBackend(GenerationBackend):
     def start(self) -> None:
         if self.engine is not None:
             return
+        if not self.lora:
+            refuse_quantized_merge(_unwrap(self.model), "set vllm_lora_sync=True")
         p = self.params
         options = dict(dtype=p.dtype, max_model_len=p.max_model_length, gpu_memory_utilization=p.gpu_memory_utilization,
                        tensor_parallel_size=p.tensor_parallel_size, enable_sleep_mode=p.enable_sleep_mode,

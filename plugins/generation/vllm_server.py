@@ -79,6 +79,7 @@ from ._vllm import (
     bucket_layout,
     is_loopback,
     read_token,
+    refuse_quantized_merge,
     refuse_transformers_options,
     send_buckets,
     session_prefix,
@@ -335,11 +336,8 @@ class VLLMServerBackend(GenerationBackend):
             if mine in info.get("devices", []):
                 raise PlaitError(f"the vLLM server at {self.client.base_url} runs on this trainer's GPU {mine}; "
                                  "start it on other devices (CUDA_VISIBLE_DEVICES) or use generation.vllm_colocate")
-        if not self.lora and any(not p.dtype.is_floating_point for p in _unwrap(self.model).parameters()):
-            # a quantized (QLoRA) base: its packed weights are no model's parameters, and cannot be merged
-            raise PlaitError("the policy's base weights are quantized (not floats), which a merged weight push cannot "
-                             "carry; set vllm_lora_sync=True and start plait vllm-serve with --enable-lora (only the "
-                             "adapter travels)")
+        if not self.lora:
+            refuse_quantized_merge(_unwrap(self.model), "set vllm_lora_sync=True and start plait vllm-serve with --enable-lora")
         if self.lora:
             check_lora_server(info, lora_rank(self.model), self.client.base_url)
             self._adapters = tempfile.TemporaryDirectory(prefix="plait-vllm-lora-")
