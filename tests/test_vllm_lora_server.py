@@ -15,7 +15,6 @@ maximum; and `plait grpo`'s trainer runs 2 LoRA steps in server mode, each sync 
 import argparse
 import base64
 import contextlib
-import json
 import os
 import socket
 import subprocess
@@ -23,11 +22,10 @@ import sys
 import threading
 import time
 import types
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
+from _http import request_json
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -91,13 +89,7 @@ def front(max_lora_rank):
 
 def post(server, body) -> tuple[int, dict]:
     host, port = server.server_address
-    request = urllib.request.Request(f"http://{host}:{port}/load_adapter", data=json.dumps(body).encode(),
-                                     method="POST", headers={"Authorization": f"Bearer {TOKEN}"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+    return request_json(f"http://{host}:{port}/load_adapter", body, TOKEN, timeout=30)
 
 
 def test_an_adapter_becomes_the_next_version_in_a_folder_of_its_own(tmp_path):

@@ -23,12 +23,11 @@ import socket
 import stat
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import psutil
 import pytest
 import torch
+from _http import request_json
 from transformers import AutoModelForCausalLM
 
 from plait.errors import PlaitError
@@ -130,13 +129,7 @@ def read_response(sock) -> tuple[int, http.client.HTTPMessage, dict]:
 
 def post(server, route, body: bytes, token=TOKEN) -> tuple[int, dict]:
     host, port = server.server_address
-    request = urllib.request.Request(f"http://{host}:{port}{route}", data=body, method="POST",
-                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+    return request_json(f"http://{host}:{port}{route}", token=token, data=body, timeout=10)
 
 
 def generate_body(size: int) -> bytes:

@@ -7,19 +7,17 @@ a real optimizer step. Skipped where vLLM is not installed.
 """
 
 import contextlib
-import json
 import os
 import socket
 import stat
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import psutil
 import pytest
 import torch
+from _http import request_json
 from test_vllm_colocate import CHAT, EXACT, max_gap, train_step
 from test_vllm_grpo import grpo, logged, raises_the_reward
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -102,17 +100,7 @@ def backend(server, tiny):
 
 
 def raw(port, route, body=None, token=None):
-    headers = {"Content-Type": "application/json"}
-    if token is not None:
-        headers["Authorization"] = f"Bearer {token}"
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{route}", data=data, headers=headers,
-                                     method="GET" if body is None else "POST")
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+    return request_json(f"http://127.0.0.1:{port}{route}", body, token)
 
 
 def test_health(server):
