@@ -109,9 +109,6 @@ class PreferenceTrainer(PaddingFreeRows, PlaitTrainer):
         return prepare_dataset(dataset, processing_class, "preference", plugins=self.plugins, max_length=p.max_length,
                                truncation_mode=p.truncation_mode, num_proc=p.dataset_num_proc)
 
-    def wants_prefix_sharing(self, args) -> bool | None:
-        return args.params.prefix_sharing
-
     def make_collator(self, processing_class, args):
         name = preference_collator_name(self.padding_free, self.prefix_sharing)
         return self.collator(name, processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)

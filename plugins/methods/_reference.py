@@ -23,11 +23,15 @@ from plait.errors import PlaitError
 
 
 class PaddingFreeRows:
-    """For an offline method whose ``padding_free`` field may lay its rows back to back (DPO, KTO,
-    ORPO, CPO): the field's answer, and evaluation predictions put back in rows."""
+    """For an offline method whose ``padding_free`` and ``prefix_sharing`` fields may lay its rows back
+    to back, each prompt once (DPO, KTO, ORPO, CPO): the fields' answers, and evaluation predictions
+    put back in rows."""
 
     def wants_padding_free(self, args) -> bool | None:
         return args.params.padding_free
+
+    def wants_prefix_sharing(self, args) -> bool | None:
+        return args.params.prefix_sharing
 
     def eval_predictions(self, model, inputs):
         """A padding-free batch's logits and ids put back in the rows TRL 1.16 hands ``compute_metrics``

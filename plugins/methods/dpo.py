@@ -146,9 +146,6 @@ class DPOTrainer(ReferenceTrainer):
                 ld_alpha=p.ld_alpha)
         return dataset
 
-    def wants_prefix_sharing(self, args) -> bool | None:
-        return args.params.prefix_sharing
-
     def make_collator(self, processing_class, args):
         name = preference_collator_name(self.padding_free, self.prefix_sharing)
         return self.collator(name, processing_class, pad_to_multiple_of=args.params.pad_to_multiple_of)

@@ -231,9 +231,6 @@ class KTOTrainer(ReferenceTrainer):
 
         return dataset.map(partners, batched=True, batch_size=size)
 
-    def wants_prefix_sharing(self, args) -> bool | None:
-        return args.params.prefix_sharing
-
     def make_collator(self, processing_class, args):
         name = ("collator.unpaired_prefix_shared" if self.prefix_sharing
                 else "collator.unpaired_padding_free" if self.padding_free else "collator.unpaired")
