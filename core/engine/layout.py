@@ -138,11 +138,16 @@ def trained_mask(example: dict) -> list[int]:
     return [1] * len(example["input_ids"])
 
 
+def within_lengths(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """``[rows, width]`` bool: True at each row's first ``lengths[row]`` columns (its tokens, right padded)."""
+    return torch.arange(width, device=lengths.device) < lengths[:, None]
+
+
 def contiguous_index(lengths: torch.Tensor, width: int) -> torch.Tensor:
     """``[rows, width]``: where each token of each row sits in a padding-free row holding the rows back
     to back in order (padding points at the row's own start)."""
     starts = lengths.cumsum(0) - lengths
-    inside = torch.arange(width, device=lengths.device) < lengths[:, None]
+    inside = within_lengths(lengths, width)
     return torch.where(inside, starts[:, None] + torch.arange(width, device=lengths.device), starts[:, None])
 
 
@@ -154,7 +159,7 @@ def rows_from_flat(values: torch.Tensor, lengths: torch.Tensor, width: int, fill
     back in order (a rounding tail beyond ``lengths.sum()`` is dropped). Gradients flow back to ``values``."""
     lengths = lengths.to(values.device)
     index = contiguous_index(lengths, width) if index is None else index[:, :width].to(values.device)
-    inside = torch.arange(width, device=values.device) < lengths[:, None]
+    inside = within_lengths(lengths, width)
     inside = inside.reshape(*inside.shape, *[1] * (values.dim() - 2))
     return values[0][index].masked_fill(~inside, fill)
 
@@ -171,8 +176,8 @@ def rows_attended(batch: dict) -> torch.Tensor:
     its layout (a padding-free batch's rows are ``seq_lengths`` long, right padded to ``T``)."""
     if "attention_mask" in batch:
         return batch["attention_mask"]
-    lengths, mask = batch["seq_lengths"], batch["completion_mask"]
-    return (torch.arange(mask.shape[1], device=mask.device) < lengths.to(mask.device)[:, None]).to(mask.dtype)
+    mask = batch["completion_mask"]
+    return within_lengths(batch["seq_lengths"].to(mask.device), mask.shape[1]).to(mask.dtype)
 
 
 def row_token_logprobs(token_logprobs, model, batch: dict, prefix: str = "", completion_only: bool = False, **kwargs):
