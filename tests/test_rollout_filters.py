@@ -2,8 +2,10 @@
 
 Each built-in filter's verdict on hand-made groups; the refill prompt stream and its state; the contract
 check of the kind; refusals before any model loads; GRPO through the installed ``plait grpo`` command
-with ``zero_variance`` dropping and refilling groups (metrics show it); RLOO with a filter; and a GRPO run
-with refills killed with SIGKILL and resumed from its checkpoint with the uninterrupted run's weights.
+with ``zero_variance`` dropping and refilling groups (metrics show it); RLOO with a filter; a GRPO run
+with refills killed with SIGKILL and resumed from its checkpoint with the uninterrupted run's weights; and
+GRESO's pre-rollout skip (``skip_dropped_prompts``): its draws, its joined batches, its refusals, and
+``plait grpo`` sampling solved prompts less often and resuming exactly.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from safetensors.torch import load_file
 
 import plait
 from plait.errors import PlaitError
-from plait.online.filtering import PromptStream, RolloutGroup, resolve_rollout_filters
+from plait.online.chassis import prompt_ids_of
+from plait.online.filtering import PromptHistory, PromptStream, RolloutGroup, joined_prompt_batches, resolve_rollout_filters
 from plait.testing import ContractViolation, check_rollout_filter
 from plait.testing.tiny_model import tiny_model_path
 
@@ -128,6 +131,55 @@ def test_prompt_stream_hands_out_every_prompt_once_per_pass_and_resumes_where_it
     assert PromptStream(4, shuffle=False, seed=0).take(6) == [0, 1, 2, 3, 0, 1]
 
 
+# -- GRESO's pre-rollout skip -----------------------------------------------------------------------
+
+
+def test_a_prompt_dropped_k_times_running_is_sampled_with_probability_p_to_the_k_until_a_group_is_kept():
+    history = PromptHistory(0.5, seed=3)
+    key = PromptHistory.key([5, 6, 7])
+    assert key == PromptHistory.key([5, 6, 7]) != PromptHistory.key([5, 6, 8])
+    slots = range(20_000)
+    for k in range(4):
+        share = sum(history.samples(key, 11, slot) for slot in slots) / len(slots)
+        assert history.keep_probability(key) == 0.5 ** k
+        assert abs(share - 0.5 ** k) < 0.012, (k, share)
+        history.update(key, dropped=True)
+    resumed = PromptHistory(0.5, seed=3)
+    resumed.load_state_dict(history.state_dict())
+    assert [resumed.samples(key, 11, s) for s in range(200)] == [history.samples(key, 11, s) for s in range(200)]
+    assert [PromptHistory(0.5, seed=4).samples(key, 11, s) for s in range(200)] != [history.samples(key, 11, s)
+                                                                                    for s in range(200)]
+    history.update(key, dropped=False)  # a kept group: the prompt is sampled again for sure
+    assert all(history.samples(key, 11, s) for s in range(200)) and history.state_dict()["dropped_in_a_row"] == {}
+
+
+def test_joined_prompt_batches_repad_on_the_left_and_keep_every_prompt_and_column():
+    narrow = {"input_ids": torch.tensor([[0, 7, 8], [9, 9, 9]]), "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]]),
+              "answer": ["a", "b"]}
+    wide = {"input_ids": torch.tensor([[0, 0, 0, 0, 4]]), "attention_mask": torch.tensor([[0, 0, 0, 0, 1]]),
+            "answer": ["c"]}
+    out = joined_prompt_batches([narrow, wide], pad_id=0)
+    assert prompt_ids_of(out) == [[7, 8], [9, 9, 9], [4]]
+    assert out["input_ids"].shape == (3, 5) and out["answer"] == ["a", "b", "c"]
+    assert out["attention_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 1, 1], [0, 0, 0, 0, 1]]
+
+
+@pytest.mark.parametrize("trainer, config, overrides, message", [
+    ("GRPOTrainer", "GRPOConfig", {"skip_dropped_prompts": 0.5},
+     "skip_dropped_prompts=0.5 skips prompts the rollout_filters kept dropping, but no rollout_filters are set"),
+    ("GRPOTrainer", "GRPOConfig", {"skip_dropped_prompts": 1.0, "rollout_filters": ["zero_variance"]},
+     r"skip_dropped_prompts=1.0 must be in \(0.0, 1.0\)"),
+    ("AsyncGRPOTrainer", "AsyncGRPOConfig", {"skip_dropped_prompts": 0.5, "rollout_filters": ["zero_variance"]},
+     "AsyncGRPOTrainer's worker samples each batch's prompts ahead"),
+])
+def test_skips_that_cannot_work_are_refused_before_the_model_loads(trainer, config, overrides, message):
+    with pytest.raises(PlaitError, match=message) as err:
+        args = getattr(plait, config)(output_dir="/tmp/plait-test-skip", max_steps=1, **{**COMMON, **overrides})
+        getattr(plait, trainer)(MISSING, reward_funcs=parity, args=args,
+                                train_dataset=Dataset.from_list([{"prompt": w} for w in WORDS]))
+    assert "\n" not in str(err.value)
+
+
 # -- the contract check of the kind ----------------------------------------------------------------
 
 
@@ -183,19 +235,31 @@ def parity(completion_ids, trainer_state=None, **kwargs):
         open(os.environ["PLAIT_TEST_HANG_MARKER"], "w").close()
         time.sleep(600)
     return [float(ids[0] % 2 == 0) if ids else 0.0 for ids in completion_ids]
+
+
+def solved_or_parity(prompts, completion_ids, **kwargs):
+    """1 for the first four prompts whatever was sampled (solved: every group ties), parity for the others;
+    each prompt scored is appended to the file PLAIT_TEST_SEEN names."""
+    with open(os.environ["PLAIT_TEST_SEEN"], "a") as seen:
+        seen.writelines(p + "\\n" for p in prompts)
+    return [1.0 if p in SOLVED else float(ids[0] % 2 == 0) for p, ids in zip(prompts, completion_ids)]
+
+
+SOLVED = ("The river", "A good answer", "What is 7 plus 5?", "Python is")
 '''
 
 
-def plait_grpo(tmp_path: Path, output: Path, *extra: str, method: str = "grpo", **env: str) -> subprocess.Popen:
+def plait_grpo(tmp_path: Path, output: Path, *extra: str, method: str = "grpo", reward: str = "parity",
+               training: dict | None = None, **env: str) -> subprocess.Popen:
     (tmp_path / "filter_rewards.py").write_text(REWARDS)
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": w}) + "\n" for w in WORDS))
     recipe = tmp_path / "grpo.yaml"
     recipe.write_text(yaml.safe_dump({
         "method": method, "model": str(tiny_model_path()),
         "dataset": {"path": "json", "data_files": "prompts.jsonl"},
-        "reward_funcs": ["filter_rewards:parity"],
+        "reward_funcs": [f"filter_rewards:{reward}"],
         "training": {**COMMON, "max_steps": 6, "save_strategy": "steps", "save_steps": 3, "max_num_gen_batches": 3,
-                     "rollout_filters": [{"name": "zero_variance"}]},
+                     "rollout_filters": [{"name": "zero_variance"}], **(training or {})},
     }))
     command = [str(PLAIT), method, "--config", str(recipe), "--output_dir", str(output), *extra]
     return subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(tmp_path), "HF_HUB_OFFLINE": "1", **env},
@@ -253,14 +317,16 @@ def test_plait_grpo_drops_zero_variance_groups_refills_them_and_resumes_bit_iden
 
 
 @pytest.mark.slow
-def test_rloo_refills_dropped_groups():
-    args = plait.RLOOConfig(output_dir="/tmp/plait-test-filters-rloo", max_steps=2, save_strategy="no",
-                            rollout_filters=["zero_variance"], max_num_gen_batches=4, **COMMON)
+def test_rloo_refills_dropped_groups_and_skips_prompts_dropped_before():
+    args = plait.RLOOConfig(output_dir="/tmp/plait-test-filters-rloo", max_steps=4, save_strategy="no",
+                            rollout_filters=["zero_variance"], max_num_gen_batches=4, skip_dropped_prompts=0.5,
+                            **COMMON)
     t = plait.RLOOTrainer(str(tiny_model_path()), reward_funcs=parity, args=args,
                           train_dataset=Dataset.from_list([{"prompt": w} for w in WORDS]))
     t.train()
     logs = [h for h in t.state.log_history if "rollout_filter/rounds" in h]
-    assert len(logs) == 2 and sum(h["rollout_filter/dropped_groups"] for h in logs) >= 1
+    assert len(logs) == 4 and sum(h["rollout_filter/dropped_groups"] for h in logs) >= 1
+    assert sum(h["rollout_filter/skipped_prompts"] for h in logs) >= 1
     assert all(h["frac_reward_zero_std"] == 0.0 or h["rollout_filter/padded_groups"] > 0 for h in logs)
 
 
@@ -278,3 +344,35 @@ def test_plait_async_grpo_refills_dropped_groups_from_the_current_weights(tmp_pa
     for m in logs:
         assert m["frac_reward_zero_std"] == 0.0 or m["rollout_filter/padded_groups"] > 0
         assert m["async/staleness"] <= 1  # the worker's batches keep to max_staleness
+
+
+@pytest.mark.slow
+def test_plait_grpo_skips_prompts_the_filter_kept_dropping_and_resumes_exactly(tmp_path):
+    # Four of the eight prompts always score 1, so zero_variance drops every group of theirs; with
+    # skip_dropped_prompts 0.5 a solved prompt dropped k times running is sampled with probability 0.5**k and
+    # the next prompt of the stream takes its place. Without the skip the solved prompts are half of those
+    # sampled (each is sampled the same number of times); with it, far fewer. A run resumed from checkpoint-3
+    # (the skip history comes back from it) ends with the straight run's weights and metrics.
+    def run(name: str, skip: float | None, *extra: str) -> list[str]:
+        seen = tmp_path / f"{name}.seen"
+        finish(plait_grpo(tmp_path, tmp_path / name, *extra, reward="solved_or_parity", PLAIT_TEST_SEEN=str(seen),
+                          training={"per_device_train_batch_size": 8, "num_generations": 4, "max_steps": 8,
+                                    "save_steps": 4, "skip_dropped_prompts": skip}))
+        return seen.read_text().splitlines()[::4]  # one line per group
+
+    solved = {"The river", "A good answer", "What is 7 plus 5?", "Python is"}
+    plain = run("plain", None)
+    skipping = run("skipping", 0.5)
+    share = {name: sum(p in solved for p in seen) / len(seen) for name, seen in (("plain", plain), ("skip", skipping))}
+    assert 0.4 <= share["plain"] <= 0.6 and share["skip"] < share["plain"] - 0.1, share
+    logs = [m for m in metrics(tmp_path / "skipping") if "rollout_filter/rounds" in m]
+    assert len(logs) == 8 and sum(m["rollout_filter/skipped_prompts"] for m in logs) >= 4
+    assert all("rollout_filter/skipped_prompts" not in m for m in metrics(tmp_path / "plain"))
+
+    checkpoint = tmp_path / "skipping" / "checkpoint-4"
+    resumed_seen = run("resumed", 0.5, "--resume_from_checkpoint", str(checkpoint))
+    assert resumed_seen == skipping[len(skipping) - len(resumed_seen):]  # the same prompts after the checkpoint
+    a, b = (load_file(tmp_path / run / "checkpoint-8" / "model.safetensors") for run in ("skipping", "resumed"))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+    for key in ("loss", "rollout_filter/skipped_prompts", "rollout_filter/generated_tokens"):
+        assert history(tmp_path / "resumed" / "checkpoint-8", key) == history(tmp_path / "skipping" / "checkpoint-8", key)

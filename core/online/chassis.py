@@ -65,7 +65,8 @@ from .buffer import (
     split_rows,
     whole_groups,
 )
-from .filtering import PromptStream, RolloutFilterChoice, RolloutGroup, joined, resolve_rollout_filters, rows_of
+from .filtering import (PromptHistory, PromptStream, RolloutFilterChoice, RolloutGroup, joined, joined_prompt_batches,
+                        resolve_rollout_filters, rows_of)
 from .generation import TRL_VLLM_MODES, GenerationChoice, Generations, SamplingParams, resolve_backend
 from .importance_sampling import importance_sampling_metrics, importance_weights
 from .rollouts import Agent, AgentChoice
@@ -575,6 +576,9 @@ class OnlineTrainer(RolloutTrainer):
         self.rollout_filters = resolve_rollout_filters(p.rollout_filters, self.plugins)
         if self.rollout_filters:
             self.check_refillable()
+        elif p.skip_dropped_prompts is not None:
+            raise PlaitError(f"skip_dropped_prompts={p.skip_dropped_prompts} skips prompts the rollout_filters kept "
+                             "dropping, but no rollout_filters are set; add rollout_filters: [zero_variance] or drop it")
 
     def check_refillable(self) -> None:
         """Dynamic sampling refills a batch with this chassis's own sampling and scoring, group by group."""
@@ -651,9 +655,11 @@ class OnlineTrainer(RolloutTrainer):
             self.add_callback(SyncReference(self.reference))
         super().after_init()
         self.unscored = UnscoredBatches([f.name for f in self.reward_funcs], p.max_unscored_batches)
-        self.prompt_stream, self._generated_tokens = None, 0
+        self.prompt_stream, self.prompt_history, self._generated_tokens = None, None, 0
         if self.rollout_filters and self.train_dataset is not None:
             self.prompt_stream = PromptStream(len(self.train_dataset), p.shuffle_dataset, self.args.seed)
+            if p.skip_dropped_prompts is not None:
+                self.prompt_history = PromptHistory(p.skip_dropped_prompts, self.args.seed)
 
     # -- data loading -------------------------------------------------------------------------
     def _get_eval_sampler(self, eval_dataset):
@@ -670,6 +676,8 @@ class OnlineTrainer(RolloutTrainer):
         state = {**super().resume_state(), "num_tokens": getattr(self, "_tokens_seen", 0)}
         if getattr(self, "prompt_stream", None) is not None:  # where refills stand in the prompts
             state["rollout_filters"] = {"stream": self.prompt_stream.state_dict(), "generated": self._generated_tokens}
+            if self.prompt_history is not None:
+                state["rollout_filters"]["history"] = self.prompt_history.state_dict()
         return state
 
     def load_resume_state(self, state: dict) -> None:
@@ -678,6 +686,8 @@ class OnlineTrainer(RolloutTrainer):
         if getattr(self, "prompt_stream", None) is not None and "rollout_filters" in state:
             self.prompt_stream.load_state_dict(state["rollout_filters"]["stream"])
             self._generated_tokens = state["rollout_filters"]["generated"]
+            if self.prompt_history is not None:
+                self.prompt_history.load_state_dict(state["rollout_filters"]["history"])
 
     def needs_old_logps(self) -> bool:
         """Does the policy change while the buffer is in use? (then ratios need π_old)."""
@@ -687,7 +697,10 @@ class OnlineTrainer(RolloutTrainer):
     # -- one rollout --------------------------------------------------------------------------
     def sample(self, inputs: dict) -> Draft:
         """A group's completions from the backend, or with tools, an environment or a rollout_func
-        multi-turn episodes (:mod:`plait.online.rollouts`)."""
+        multi-turn episodes (:mod:`plait.online.rollouts`). With ``skip_dropped_prompts`` a training batch
+        first swaps the prompts the filters kept dropping for others (:meth:`chosen_prompts`)."""
+        if self.prompt_history is not None and self.model.training:
+            inputs = self.chosen_prompts(inputs)
         if self.agent is None:
             return super().sample(inputs)
         columns = prompt_columns(inputs)
@@ -719,6 +732,9 @@ class OnlineTrainer(RolloutTrainer):
 
     # -- dynamic sampling (plait.online.filtering) ---------------------------------------------
     rollout_filters: list = []
+    prompt_history: PromptHistory | None = None  # skip_dropped_prompts's record of the filters' verdicts
+    SKIP_PASSES = 4  # passes over the refill stream for prompts to sample instead of skipped ones
+    _skipped_prompts = 0  # prompts this process's history held back in the rollout being built
 
     def filter_groups(self, draft: Draft) -> Draft:
         """DAPO's dynamic sampling (Yu et al. 2025, §3.2): groups a filter drops are replaced by groups of further
@@ -735,26 +751,32 @@ class OnlineTrainer(RolloutTrainer):
         while True:
             rounds += 1
             tokens += sum(len(ids) for ids in draft.generations.completion_ids)
+            was_dropped = []
             for index, group in enumerate(self.groups_of(draft)):
                 dropper = next((f for f in self.rollout_filters if not f.keeps(group)), None)
+                was_dropped.append(dropper is not None)
                 if dropper is None:
                     kept.append((draft, index))
                 else:
                     dropped.append((draft, index))
                     by_filter[dropper.name] += 1
+            self.remember_verdicts(draft, was_dropped)
             short = int(self.accelerator.gather(torch.tensor([wanted - len(kept)], device=device)).max())
             if short <= 0 or rounds >= p.max_num_gen_batches:
                 break
             draft = self.sample_refill(self.refill_inputs(wanted))
             self.score(draft)
         padding = max(wanted - len(kept), 0)
-        local = torch.tensor([len(dropped), padding, tokens, *by_filter.values()], device=device, dtype=torch.float64)
+        local = torch.tensor([len(dropped), padding, tokens, self._skipped_prompts, *by_filter.values()], device=device,
+                             dtype=torch.float64)
         totals = self.accelerator.gather(local).view(self.accelerator.num_processes, -1).sum(0).tolist()
         self._generated_tokens += int(totals[2])
+        self._skipped_prompts = 0
         self.record({"rollout_filter/rounds": rounds, "rollout_filter/dropped_groups": totals[0],
                      "rollout_filter/padded_groups": totals[1], "rollout_filter/generated_tokens": self._generated_tokens,
                      "rollout_filter/prompts": rounds * wanted * self.accelerator.num_processes,
-                     **{f"rollout_filter/dropped/{name}": n for name, n in zip(by_filter, totals[3:])}})
+                     **({"rollout_filter/skipped_prompts": totals[3]} if self.prompt_history is not None else {}),
+                     **{f"rollout_filter/dropped/{name}": n for name, n in zip(by_filter, totals[4:])}})
         if rounds == 1 and len(kept) == wanted:
             return draft
         return self.joined_draft(kept[:wanted] + (dropped[len(dropped) - padding:] if padding else []))
@@ -762,6 +784,49 @@ class OnlineTrainer(RolloutTrainer):
     def sample_refill(self, inputs: dict) -> Draft:
         """A refill round's groups: sampled as any batch is (a chassis that samples ahead samples them now)."""
         return self.sample(inputs)
+
+    def remember_verdicts(self, draft: Draft, dropped: list[bool]) -> None:
+        """Every process's verdicts on its groups into the :class:`PromptHistory` (each process keeps the same one)."""
+        if self.prompt_history is None:
+            return
+        keys = [PromptHistory.key(draft.prompt_ids[i * self.group_size]) for i in range(len(dropped))]
+        local = torch.tensor([keys, dropped], dtype=torch.int64, device=self.accelerator.device).T
+        for key, was_dropped in self.accelerator.gather(local).tolist():
+            self.prompt_history.update(key, bool(was_dropped))
+
+    def chosen_prompts(self, inputs: dict) -> dict:
+        """GRESO's pre-rollout skip (Zheng et al. 2025, Alg. 1): each prompt group of ``inputs`` whose history says
+        skip is replaced by the next prompt of the refill stream that the history lets through, up to
+        ``SKIP_PASSES`` passes over the stream (every process takes the same passes); after them the skipped
+        prompts themselves fill what is missing. Counts the prompts held back for ``rollout_filter/skipped_prompts``."""
+        g, step, rank, stream = self.group_size, self.state.global_step, self.accelerator.process_index, self.prompt_stream
+
+        def split(batch: dict) -> tuple[list[int], list[int]]:  # the first rows of the groups sampled, and skipped
+            ids, where = prompt_ids_of(batch), (step, stream.epoch, stream.position, rank)
+            sampled = {s: self.prompt_history.samples(PromptHistory.key(ids[s]), *where, s) for s in range(0, len(ids), g)}
+            return [s for s, ok in sampled.items() if ok], [s for s, ok in sampled.items() if not ok]
+
+        def rows(batch: dict, starts: list[int]) -> dict:
+            return rows_of(batch, [s + j for s in starts for j in range(g)], len(batch["input_ids"]))
+
+        kept, skipped = split(inputs)
+        parts, missing, held_back = [rows(inputs, kept)] if kept else [], len(skipped), len(skipped)
+        for _ in range(self.SKIP_PASSES):
+            need = int(self.accelerator.gather(torch.tensor([missing], device=self.accelerator.device)).max())
+            if need == 0:
+                break
+            candidates = self.refill_inputs(need)  # every process takes its share of the stream, needed or not
+            through, held = split(candidates)
+            if missing:
+                taken = through[:missing]
+                held_back += sum(s < taken[-1] for s in held) if len(taken) == missing else len(held)
+                if taken:
+                    parts.append(rows(candidates, taken))
+                missing -= len(taken)
+        if missing:
+            parts.append(rows(inputs, skipped[:missing]))
+        self._skipped_prompts += held_back
+        return joined_prompt_batches(parts, pad_token_id(self.processing_class)) if skipped else inputs
 
     def groups_of(self, draft: Draft) -> list[RolloutGroup]:
         """This process's scored groups of a draft (whole groups: :meth:`check_refillable`)."""

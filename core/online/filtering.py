@@ -9,10 +9,17 @@ runs the configured filters after scoring and refills the batch from a :class:`P
 at most ``max_num_gen_batches`` generation rounds per rollout (DAPO's and verl's name; the first round counts).
 When the bound is hit the batch is completed with the latest dropped groups (their rewards are all
 equal for ``zero_variance``, so they carry no gradient, and every batch keeps its size).
+
+Refilling re-spends tokens on fresh prompts; it does not save any. GRESO (Zheng et al. 2025, "Act Only
+When It Pays", Alg. 1) saves them before sampling: a prompt whose groups kept being dropped will likely be
+dropped again (a solved or a hopeless prompt), so ``skip_dropped_prompts`` (:class:`PromptHistory`) samples
+a prompt whose last k groups the filters dropped only with probability p**k, and takes the next prompt of
+the stream in its place.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import attrs
@@ -20,7 +27,7 @@ import torch
 from torch import Tensor
 
 from plait.errors import PlaitError
-from plait.params import int_at_least
+from plait.params import in_range, int_at_least
 from plait.registry import Component
 
 # The refill stream's shuffles are seeded apart from the train sampler's (seed + epoch).
@@ -98,10 +105,15 @@ class RolloutFilterChoice:
                            "(plait list filters)",
         "max_num_gen_batches": "most generation rounds per rollout with rollout_filters (the first counts); then "
                                "dropped groups fill the batch",
+        "skip_dropped_prompts": "GRESO's pre-rollout skip: a prompt whose last k groups the rollout_filters dropped is "
+                                "sampled only with probability p**k (the paper's p: 0.5), the next prompt in its "
+                                "place; None: every prompt is sampled",
     }
 
     rollout_filters: list | None = None
     max_num_gen_batches: int = attrs.field(default=10, validator=int_at_least(1))
+    skip_dropped_prompts: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(in_range(0.0, 1.0, low_open=True, high_open=True)))
 
 
 class PromptStream:
@@ -140,6 +152,46 @@ class PromptStream:
         self.epoch, self.position, self._order = state["epoch"], state["position"], None
 
 
+class PromptHistory:
+    """GRESO's record (Zheng et al. 2025, Alg. 1): for each prompt, how many of its latest groups in a row the
+    rollout filters dropped. A prompt dropped k times running is sampled with probability ``p**k``; the draw
+    is a hash of (seed, prompt, step, pass, slot), so a resumed run draws what the straight one did and no
+    generator state is saved. Prompts are keyed by their token ids, so every process agrees on the key."""
+
+    def __init__(self, p: float, seed: int):
+        self.p, self.seed = p, seed
+        self.dropped_in_a_row: dict[int, int] = {}
+
+    @staticmethod
+    def key(prompt_ids: Sequence[int]) -> int:
+        digest = hashlib.blake2b(torch.tensor(list(prompt_ids), dtype=torch.int64).numpy().tobytes(), digest_size=8)
+        return int.from_bytes(digest.digest(), "little", signed=True)  # fits an int64 tensor, to gather
+
+    def keep_probability(self, key: int) -> float:
+        return self.p ** self.dropped_in_a_row.get(key, 0)
+
+    def samples(self, key: int, *where: int) -> bool:
+        """Is this prompt sampled (at the step, pass and slot ``where`` names)?"""
+        runs = self.dropped_in_a_row.get(key, 0)
+        if not runs:
+            return True
+        words = torch.tensor([self.seed, key, *where], dtype=torch.int64).numpy().tobytes()
+        uniform = int.from_bytes(hashlib.blake2b(words, digest_size=8).digest(), "little") / 2.0 ** 64
+        return uniform < self.p ** runs
+
+    def update(self, key: int, dropped: bool) -> None:
+        if dropped:
+            self.dropped_in_a_row[key] = self.dropped_in_a_row.get(key, 0) + 1
+        else:
+            self.dropped_in_a_row.pop(key, None)
+
+    def state_dict(self) -> dict:
+        return {"dropped_in_a_row": dict(self.dropped_in_a_row)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dropped_in_a_row = dict(state["dropped_in_a_row"])
+
+
 def rows_of(value: Any, rows: list[int], n: int) -> Any:
     """``value`` restricted to ``rows`` when it holds one entry per row (of ``n``): lists, tensors, and
     dicts of them (an episode's columns); anything else is shared by every row and kept as it is."""
@@ -162,3 +214,16 @@ def joined(parts: list[Any]) -> Any:
     if torch.is_tensor(first) and first.dim() > 0:
         return torch.cat(parts)
     return first
+
+
+def joined_prompt_batches(parts: list[dict], pad_id: int) -> dict:
+    """Collated (left-padded) prompt batches put end to end: ``input_ids`` and ``attention_mask`` re-padded on
+    the left to the widest part, every other column as :func:`joined` joins it."""
+    width = max(part["input_ids"].shape[1] for part in parts)
+
+    def padded(key: str, value: int) -> Tensor:
+        return torch.cat([torch.nn.functional.pad(part[key], (width - part[key].shape[1], 0), value=value)
+                          for part in parts])
+
+    rest = joined([{k: v for k, v in part.items() if k not in ("input_ids", "attention_mask")} for part in parts])
+    return {**rest, "input_ids": padded("input_ids", pad_id), "attention_mask": padded("attention_mask", 0)}

@@ -443,6 +443,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         if self.agent is not None:  # the worker samples single turns; continuing an episode needs the live policy
             raise PlaitError("AsyncGRPOTrainer samples one turn per completion in its rollout worker, so tools, "
                              "environment and rollout_func (multi-turn episodes) are not supported; use GRPOTrainer")
+        if args.params.skip_dropped_prompts is not None:  # its worker picks the prompts before their history is in
+            raise PlaitError(f"skip_dropped_prompts={args.params.skip_dropped_prompts}: AsyncGRPOTrainer's worker samples "
+                             "each batch's prompts ahead, before the filters' verdicts on them are known; drop "
+                             "skip_dropped_prompts or use GRPOTrainer")
         if args.world_size > 1:
             raise PlaitError(f"AsyncGRPOTrainer runs on one training process (this run has {args.world_size}); "
                              "launch one process, or use GRPOTrainer for data-parallel training")
