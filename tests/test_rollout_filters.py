@@ -376,3 +376,16 @@ def test_plait_grpo_skips_prompts_the_filter_kept_dropping_and_resumes_exactly(t
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
     for key in ("loss", "rollout_filter/skipped_prompts", "rollout_filter/generated_tokens"):
         assert history(tmp_path / "resumed" / "checkpoint-8", key) == history(tmp_path / "skipping" / "checkpoint-8", key)
+
+
+@pytest.mark.slow
+def test_two_processes_keep_one_skip_history(tmp_path):
+    # Each process scores its own groups; the verdicts are gathered, so both processes hold the same
+    # history (a prompt that lands on the other process next time is skipped there too), saved per process.
+    output = tmp_path / "two"
+    finish(plait_grpo(tmp_path, output, "--num_processes", "2", "--max_steps", "4", "--save_steps", "4",
+                      training={"skip_dropped_prompts": 0.5}))
+    first, second = (torch.load(output / "checkpoint-4" / f"plait_resume_state_{rank}.pt",
+                                weights_only=True)["rollout_filters"]["history"] for rank in (0, 1))
+    assert first == second and len(first["dropped_in_a_row"]) >= 2
+    assert all("rollout_filter/skipped_prompts" in m for m in metrics(output) if "rollout_filter/rounds" in m)
