@@ -1,6 +1,8 @@
 """plait.engine.memory: importing plait asks torch to page-align its large CPU buffers (glibc's heap then
 fragments far less: benchmarks/cpu_memory.py), before torch's first tensor, which is when torch
-reads the switch; a user's own value stays, and a CPU trainer says when it came too late.
+reads the switch; a user's own value stays, and a CPU trainer says when it came too late. A CPU
+trainer also has glibc keep freed heap memory, so the next step's tensors do not page-fault it back
+in; ``PLAIT_KEEP_FREED_HEAP=0`` and a user's own glibc settings leave glibc's defaults.
 
 Each check runs in a fresh process: torch reads the switch once per process."""
 
@@ -24,8 +26,26 @@ SFTTrainer(str(tiny_model_path()), args=args, train_dataset=Dataset.from_list([{
 """
 
 
-def run_python(code: str, switch: str | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+# Eight 12 MiB tensors made and freed ten times: glibc trims the freed top of its heap (96 MiB, above its
+# trim threshold) after each round, unless told to keep it; then every round page-faults it back in.
+REUSE = """
+import resource, torch
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def round_of_tensors():
+    tensors = [torch.ones(3 * 2**20) for _ in range(8)]
+    del tensors
+round_of_tensors()
+before = faults()
+for _ in range(10):
+    round_of_tensors()
+print("faults", faults() - before)
+"""
+
+
+def run_python(code: str, switch: str | None = None, **env: str) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if k not in ("THP_MEM_ALLOC_ENABLE", "PLAIT_KEEP_FREED_HEAP")},
+           **env}
     if switch is not None:
         env["THP_MEM_ALLOC_ENABLE"] = switch
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
@@ -50,3 +70,20 @@ def test_a_cpu_trainer_says_when_plait_came_after_torchs_first_tensor(tmp_path):
     early = run_python(TRAIN.format(out=str(tmp_path / "early")))
     assert "not page-aligned" in late.stderr and "import plait first" in late.stderr
     assert "not page-aligned" not in early.stderr
+
+
+def faults(out: subprocess.CompletedProcess) -> int:
+    return int(out.stdout.split("faults ")[-1].split()[0])
+
+
+def test_a_cpu_training_run_reuses_freed_memory_instead_of_faulting_it_back_in(tmp_path):
+    kept = run_python(TRAIN.format(out=str(tmp_path / "kept")) + REUSE)
+    trimmed = run_python(TRAIN.format(out=str(tmp_path / "trimmed")) + REUSE, PLAIT_KEEP_FREED_HEAP="0")
+    assert faults(trimmed) > 10 * max(faults(kept), 1000), (faults(trimmed), faults(kept))
+
+
+def test_a_users_own_glibc_settings_are_kept():
+    code = "from plait.engine.memory import keep_freed_heap\nprint('kept', keep_freed_heap())"
+    assert "kept True" in run_python(code).stdout
+    assert "kept False" in run_python(code, MALLOC_TRIM_THRESHOLD_="131072").stdout
+    assert "kept False" in run_python(code, PLAIT_KEEP_FREED_HEAP="0").stdout

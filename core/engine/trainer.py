@@ -43,7 +43,7 @@ from .autocast import rotary_in_compute_dtype
 from .config import method_args, trains_on_cpu
 from .layout import RegisteredCollator
 from .logprobs import token_logprobs
-from .memory import TORCH_SWITCH, large_buffers_aligned
+from .memory import TORCH_SWITCH, keep_freed_heap, large_buffers_aligned
 from .model_card import CardDetails, write_model_card
 from .models import (
     Reference,
@@ -122,6 +122,7 @@ class PlaitTrainer(Trainer):
         args = method_args(self.config_class, args)
         if trains_on_cpu(args):
             say_if_large_buffers_unaligned()
+            keep_freed_heap()  # each step's activations reuse the last step's memory (plait.engine.memory)
         self._refuse_unused_arguments(compute_metrics=compute_metrics,
                                       preprocess_logits_for_metrics=preprocess_logits_for_metrics,
                                       compute_loss_func=compute_loss_func)
