@@ -105,9 +105,8 @@ class RolloutFilterChoice:
                            "(plait list filters)",
         "max_num_gen_batches": "most generation rounds per rollout with rollout_filters (the first counts); then "
                                "dropped groups fill the batch",
-        "skip_dropped_prompts": "GRESO's pre-rollout skip: a prompt whose last k groups the rollout_filters dropped is "
-                                "sampled only with probability p**k (the paper's p: 0.5), the next prompt in its "
-                                "place; None: every prompt is sampled",
+        "skip_dropped_prompts": "GRESO: a prompt the rollout_filters dropped k times running is sampled with "
+                                "probability p**k (the paper's p: 0.5); None: every prompt is sampled",
     }
 
     rollout_filters: list | None = None
