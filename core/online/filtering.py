@@ -154,8 +154,8 @@ class PromptStream:
 class PromptHistory:
     """GRESO's record (Zheng et al. 2025, Alg. 1): for each prompt, how many of its latest groups in a row the
     rollout filters dropped. A prompt dropped k times running is sampled with probability ``p**k``; the draw
-    is a hash of (seed, prompt, step, pass, slot), so a resumed run draws what the straight one did and no
-    generator state is saved. Prompts are keyed by their token ids, so every process agrees on the key."""
+    is a hash of the seed, the prompt and where it is drawn (the caller's step, refill-stream place, process
+    and slot), so a resumed run draws what the straight one did and no generator state is saved. Prompts are keyed by their token ids, so every process agrees on the key."""
 
     def __init__(self, p: float, seed: int):
         self.p, self.seed = p, seed
@@ -170,7 +170,7 @@ class PromptHistory:
         return self.p ** self.dropped_in_a_row.get(key, 0)
 
     def samples(self, key: int, *where: int) -> bool:
-        """Is this prompt sampled (at the step, pass and slot ``where`` names)?"""
+        """Is this prompt sampled, at the draw ``where`` names (integers: the step, the stream's place, ...)?"""
         runs = self.dropped_in_a_row.get(key, 0)
         if not runs:
             return True
