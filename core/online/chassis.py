@@ -733,7 +733,7 @@ class OnlineTrainer(RolloutTrainer):
     # -- dynamic sampling (plait.online.filtering) ---------------------------------------------
     rollout_filters: list = []
     prompt_history: PromptHistory | None = None  # skip_dropped_prompts's record of the filters' verdicts
-    SKIP_PASSES = 4  # passes over the refill stream for prompts to sample instead of skipped ones
+    SKIP_DRAWS = 4  # draws from the refill stream for prompts to sample in skipped ones' place
     _skipped_prompts = 0  # prompts this process's history held back in the rollout being built
 
     def filter_groups(self, draft: Draft) -> Draft:
@@ -796,8 +796,8 @@ class OnlineTrainer(RolloutTrainer):
 
     def chosen_prompts(self, inputs: dict) -> dict:
         """GRESO's pre-rollout skip (Zheng et al. 2025, Alg. 1): each prompt group of ``inputs`` whose history says
-        skip is replaced by the next prompt of the refill stream that the history lets through, up to
-        ``SKIP_PASSES`` passes over the stream (every process takes the same passes); after them the skipped
+        skip is replaced by the next prompt of the refill stream that the history lets through, in up to
+        ``SKIP_DRAWS`` draws from the stream (every process takes the same draws); after them the skipped
         prompts themselves fill what is missing. Counts the prompts held back for ``rollout_filter/skipped_prompts``."""
         g, step, rank, stream = self.group_size, self.state.global_step, self.accelerator.process_index, self.prompt_stream
 
@@ -811,7 +811,7 @@ class OnlineTrainer(RolloutTrainer):
 
         kept, skipped = split(inputs)
         parts, missing, held_back = [rows(inputs, kept)] if kept else [], len(skipped), len(skipped)
-        for _ in range(self.SKIP_PASSES):
+        for _ in range(self.SKIP_DRAWS):
             need = int(self.accelerator.gather(torch.tensor([missing], device=self.accelerator.device)).max())
             if need == 0:
                 break
@@ -823,9 +823,9 @@ class OnlineTrainer(RolloutTrainer):
                 if taken:
                     parts.append(rows(candidates, taken))
                 missing -= len(taken)
-        if missing:
+        if missing:  # sampled after all
             parts.append(rows(inputs, skipped[:missing]))
-        self._skipped_prompts += held_back
+        self._skipped_prompts += held_back - missing
         return joined_prompt_batches(parts, pad_token_id(self.processing_class)) if skipped else inputs
 
     def groups_of(self, draft: Draft) -> list[RolloutGroup]:
