@@ -171,12 +171,12 @@ class PromptHistory:
 
     def samples(self, key: int, *where: int) -> bool:
         """Is this prompt sampled, at the draw ``where`` names (integers: the step, the stream's place, ...)?"""
-        runs = self.dropped_in_a_row.get(key, 0)
-        if not runs:
+        probability = self.keep_probability(key)
+        if probability == 1.0:  # never dropped, or kept since: no draw
             return True
         words = torch.tensor([self.seed, key, *where], dtype=torch.int64).numpy().tobytes()
         uniform = int.from_bytes(hashlib.blake2b(words, digest_size=8).digest(), "little") / 2.0 ** 64
-        return uniform < self.p ** runs
+        return uniform < probability
 
     def update(self, key: int, dropped: bool) -> None:
         if dropped:
