@@ -153,3 +153,45 @@ def test_peft_names_are_the_base_models(tiny):
     expected = layer.base_layer.weight + layer.get_delta_weight("default")
     assert torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"], expected)
     assert not torch.allclose(expected, layer.base_layer.weight)
+def test_kept_buffers_carry_each_push_without_allocating_again(tiny):
+    """A CPU server keeps its receive buffers and the client one send buffer from push to push: both
+    pushes land in the same memory, and the second delivers the weights as they are then."""
+    import copy
+    import threading
+
+    model = copy.deepcopy(tiny[0])
+    port = free_port()
+    sent_kept, received_kept, pushes, addresses = {}, {}, [], []  # addresses: the receiver's buffers per push
+    with weights.policy_parameters(model) as named:
+        layout = _vllm.bucket_layout(named, limit=2**16)
+
+    def receiver():
+        group = _vllm.weight_group("127.0.0.1", port, 0, 2, "gloo", timeout=30)
+        for _ in range(2):
+            pushes.append({n: t.clone() for n, t in _vllm.receive_buckets(group, 1, layout, "cpu", received_kept)})
+            addresses.append(sorted(buffer.data_ptr() for buffer in received_kept.values()))
+
+    thread = threading.Thread(target=receiver)
+    thread.start()
+    group = _vllm.weight_group("127.0.0.1", port, 1, 2, "gloo", timeout=30)
+    for _ in range(2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # the policy moves between pushes
+        with weights.policy_parameters(model) as named:
+            _vllm.send_buckets(group, 1, layout, named, "cpu", sent_kept)
+            now = {n: p.detach().clone() for n, p in named}
+    thread.join()
+    assert len(layout) > 1 and all(torch.equal(pushes[1][n], t) for n, t in now.items())
+    assert not any(torch.equal(pushes[0][n], t) for n, t in now.items())  # the first push carried older weights
+    # the receiver's kept buffers hold the last push, bucket by bucket; the sender's one buffer its last bucket
+    for index, bucket in enumerate(layout):
+        held = received_kept[(index, bucket["numel"], torch.float32)]
+        assert torch.equal(held, torch.cat([now[name].reshape(-1) for name, _, _ in bucket["params"]]))
+    last = layout[-1]
+    assert sent_kept[torch.float32].numel() == max(bucket["numel"] for bucket in layout)
+    assert torch.equal(sent_kept[torch.float32][:last["numel"]],
+                       torch.cat([now[name].reshape(-1) for name, _, _ in last["params"]]))
+    assert addresses[0] == addresses[1]  # the receiver allocated nothing for the second push
+
+

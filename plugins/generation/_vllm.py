@@ -204,11 +204,22 @@ def bucket_layout(named: Sequence[tuple[str, torch.Tensor]], limit: int = BUCKET
     return buckets
 
 
-def send_buckets(group, root: int, layout: list[dict], named: Sequence[tuple[str, torch.Tensor]], device) -> None:
-    """Broadcast the parameters from ``root`` bucket by bucket, as :func:`bucket_layout` cut them."""
+def send_buckets(group, root: int, layout: list[dict], named: Sequence[tuple[str, torch.Tensor]], device,
+                 kept: dict | None = None) -> None:
+    """Broadcast the parameters from ``root`` bucket by bucket, as :func:`bucket_layout` cut them.
+
+    ``kept`` (a dict the caller holds from push to push) keeps one buffer per dtype, as large as the
+    largest bucket sent, and fills every bucket into it: each broadcast has ended before the next fill."""
     tensors = materialised(named)
     for bucket in layout:
-        buffer = torch.empty(bucket["numel"], dtype=getattr(torch, bucket["dtype"]), device=device)
+        dtype = getattr(torch, bucket["dtype"])
+        if kept is None:
+            buffer = torch.empty(bucket["numel"], dtype=dtype, device=device)
+        else:
+            if kept.get(dtype) is None or kept[dtype].numel() < bucket["numel"]:
+                kept[dtype] = None  # the smaller one goes before the larger one is made
+                kept[dtype] = torch.empty(bucket["numel"], dtype=dtype, device=device)
+            buffer = kept[dtype][:bucket["numel"]]
         for name, shape, offset in bucket["params"]:
             got, tensor = next(tensors)
             assert got == name, f"the layout expects {name}, the model gave {got}"
@@ -218,10 +229,23 @@ def send_buckets(group, root: int, layout: list[dict], named: Sequence[tuple[str
         pass
 
 
-def receive_buckets(group, root: int, layout: list[dict], device) -> Iterator[tuple[str, torch.Tensor]]:
-    """The receiving side of :func:`send_buckets`: (name, tensor) views into each bucket as it arrives."""
-    for bucket in layout:
-        buffer = torch.empty(bucket["numel"], dtype=WEIGHT_DTYPES[bucket["dtype"]], device=device)
+def receive_buckets(group, root: int, layout: list[dict], device,
+                    kept: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The receiving side of :func:`send_buckets`: (name, tensor) views into each bucket as it arrives.
+
+    ``kept`` (a dict the caller holds from push to push) keeps each bucket's buffer for the next push
+    instead of allocating it afresh. A CPU server wants that: its engine process returns freed memory
+    to the system within seconds, and receiving 538 MB into fresh pages took 7-9 s after a rollout there
+    against 0.5 s into pages kept (SmolLM2-135M, 2 cores; vLLM's jemalloc and NUMA binding are in that
+    process, and a plain process faults the same pages in 0.1 s)."""
+    for index, bucket in enumerate(layout):
+        dtype = WEIGHT_DTYPES[bucket["dtype"]]
+        key = (index, bucket["numel"], dtype)
+        buffer = kept.get(key) if kept is not None else None
+        if buffer is None:
+            buffer = torch.empty(bucket["numel"], dtype=dtype, device=device)
+            if kept is not None:
+                kept[key] = buffer
         broadcast(group, buffer, root)
         for name, shape, offset in bucket["params"]:
             yield name, buffer[offset:offset + int(torch.Size(shape).numel())].view(shape)
@@ -268,7 +292,10 @@ class WorkerExtension:
 
     def plait_receive_weights(self, layout: list[dict]) -> None:
         device = torch.device("cpu") if on_cpu() else self.device
-        self.plait_load_weights(receive_buckets(self._plait_group, self._plait_root, layout, device))
+        if on_cpu() and getattr(self, "_plait_buckets", None) is None:
+            self._plait_buckets = {}  # kept from push to push (receive_buckets says why); a GPU's allocator caches
+        kept = self._plait_buckets if on_cpu() else None
+        self.plait_load_weights(receive_buckets(self._plait_group, self._plait_root, layout, device, kept))
 
     def plait_leave_weight_group(self) -> None:
         self._plait_group = None

@@ -141,6 +141,7 @@ class VLLMClient:
         self.rank = None
         self.push_seconds: list[float] = []
         self.sent_bytes: list[int] = []  # what each push carried: bucket bytes over the side channel, or the body
+        self._send_buffers: dict | None = None  # CPU pushes fill one kept buffer (send_buckets)
         self.max_body_bytes: int | None = None  # the server's, from /health
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -263,6 +264,7 @@ class VLLMClient:
         if backend == "nccl" and not torch.cuda.is_available():
             raise PlaitError(f"the vLLM server at {self.base_url} syncs weights over NCCL but this trainer has no GPU")
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self._send_buffers = {} if self.device.type == "cpu" else None  # a GPU's caching allocator keeps its own
         prefix = session_prefix()  # the store's keys, known only to this authenticated client and the server
         with self._meanwhile("/init_communicator", {"port": self.group_port, "timeout": self.connection_timeout,
                                                     "prefix": prefix}):
@@ -277,7 +279,7 @@ class VLLMClient:
         start = time.perf_counter()
         layout = bucket_layout(named)
         with self._meanwhile("/update_weights", {"layout": layout}):
-            send_buckets(self.group, self.rank, layout, named, self.device)
+            send_buckets(self.group, self.rank, layout, named, self.device, self._send_buffers)
         self.push_seconds.append(time.perf_counter() - start)
         self.sent_bytes.append(sum(b["numel"] * WEIGHT_DTYPES[b["dtype"]].itemsize for b in layout))
         return self.push_seconds[-1]
