@@ -34,7 +34,10 @@ it has no compiled generation (a ``generation_kwargs`` naming ``disable_compile`
 there), and ``torch_compile=True`` compiles the training model's forward, which
 ``generate`` does not call: it calls the unwrapped module), ``vllm_colocate`` and ``vllm_server``:
 benchmarks/vllm_rollout.py's ``measure`` (weights perturbed and pushed before each round, push time
-apart) in ``.venv-vllm``, vLLM's default dtype (bf16 for this fp32 checkpoint on CPU); with
+apart) in ``.venv-vllm``, vLLM's default dtype (bf16 for this fp32 checkpoint on CPU), the engine eager
+as plait starts it for a short run on a CPU; ``vllm_colocate_compiled`` and ``vllm_server_compiled`` compile
+the engine's model instead (``vllm_enforce_eager=False``, ``plait vllm-serve --no-enforce-eager``: what a
+long CPU run gets), and record the engine's start seconds beside the others'; with
 ``--dtypes fp32`` only colocate runs (``vllm_dtype="float32"``; vllm_rollout's server starts with
 vLLM's default). Results: benchmarks/results/generation_speed.json (date, CPU model and bf16 units,
 versions per venv, per-arm tokens/s, load, dtype) and a printed table with plait/TRL, vLLM/plait and
@@ -74,6 +77,9 @@ ARMS = {
     "trl_cb": ("trl", {"use_transformers_continuous_batching": True}),
     "vllm_colocate": ("vllm", {"mode": "colocate"}),
     "vllm_server": ("vllm", {"mode": "server"}),
+    # vLLM's compiled model (torch.compile, inductor) instead of plait's eager default on a CPU
+    "vllm_colocate_compiled": ("vllm", {"mode": "colocate", "enforce_eager": False}),
+    "vllm_server_compiled": ("vllm", {"mode": "server", "enforce_eager": False}),
 }
 DEFAULT_ARMS = "plait,plait_static,plait_compile,plait_cb,plait_cb_padded,trl,trl_static,trl_cb,vllm_colocate,vllm_server"
 
@@ -197,23 +203,28 @@ def vllm_worker(spec: dict) -> dict:
     dtype = "float32" if spec["dtype"] == "fp32" else "auto"
     if spec["options"]["mode"] == "colocate":
         backend = vr.VLLMColocateBackend(model, tokenizer, vr.VLLMColocateParams(
-            max_model_length=1024, kv_cache_memory_bytes=vr.KV_CACHE, dtype=dtype))
+            max_model_length=1024, kv_cache_memory_bytes=vr.KV_CACHE, dtype=dtype,
+            engine_kwargs={"enforce_eager": False} if spec["options"].get("enforce_eager") is False else {}))
+        start = time.perf_counter()
         backend.start()
+        started = time.perf_counter() - start
         try:
             out = vr.measure(backend, model, prompts, sampling)
         finally:
             backend.close()
-        return {**rounds_of(out), "precision": {"engine_dtype": dtype}}
-    process, port = vr.start_server(Path(spec["model"]))
+        return {**rounds_of(out), "start_s": started, "precision": {"engine_dtype": dtype}}
+    start = time.perf_counter()
+    process, port = vr.start_server(Path(spec["model"]), eager=spec["options"].get("enforce_eager"))
     try:
         backend = vr.VLLMServerBackend(model, tokenizer, vr.VLLMServerParams(server_port=port, group_port=vr.free_port()))
         backend.start()
+        started = time.perf_counter() - start
         out = vr.measure(backend, model, prompts, sampling)
         backend.close()
     finally:
         process.terminate()
         process.wait(timeout=60)
-    return {**rounds_of(out), "precision": {"engine_dtype": "auto"}}
+    return {**rounds_of(out), "start_s": started, "precision": {"engine_dtype": "auto"}}
 
 
 def rounds_of(out: dict) -> dict:
@@ -275,7 +286,8 @@ def ratios(runs: dict) -> dict:
     found = {}
     for num, den in (("plait", "trl"), ("plait_static", "trl_static"), ("plait_cb", "trl_cb"),
                      ("vllm_colocate", "plait"), ("vllm_server", "plait"), ("vllm_colocate", "trl"),
-                     ("vllm_server", "trl")):
+                     ("vllm_server", "trl"), ("vllm_colocate_compiled", "plait"), ("vllm_server_compiled", "plait"),
+                     ("vllm_colocate_compiled", "vllm_colocate"), ("vllm_server_compiled", "vllm_server")):
         if num in rate and den in rate:
             found[f"{num}/{den}"] = rate[num] / rate[den]
     for arm, value in rate.items():  # each option against its library's defaults
@@ -343,7 +355,7 @@ def main() -> None:
                         "generations": a.generations, "rounds": a.rounds}
                 runs = {}
                 for arm in arms:
-                    if dtype == "fp32" and arm == "vllm_server":
+                    if dtype == "fp32" and arm.startswith("vllm_server"):
                         continue  # vllm_rollout.start_server runs vLLM's default dtype
                     runs[arm] = run_arm(arm, spec)
                     print(model, length, dtype, json.dumps(runs[arm]), flush=True)

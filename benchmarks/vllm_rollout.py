@@ -80,10 +80,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(path: pathlib.Path) -> tuple[subprocess.Popen, int]:
+def start_server(path: pathlib.Path, eager: bool | None = None) -> tuple[subprocess.Popen, int]:
+    """`plait vllm-serve` on a free port; ``eager`` False compiles the engine's model (None: plait's default)."""
     port = free_port()
     command = [sys.executable, "-m", "plait.cli", "vllm-serve", "--model", str(path), "--port", str(port),
                "--max-model-len", "1024", "--kv-cache-memory-bytes", str(KV_CACHE)]
+    if eager is not None:
+        command.append("--enforce-eager" if eager else "--no-enforce-eager")
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port
 
 

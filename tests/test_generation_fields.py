@@ -131,12 +131,12 @@ def test_vllm_fields_default_to_the_backends_defaults_and_reach_them():
     args = grpo_config(vllm_gpu_memory_utilization=0.5, vllm_tensor_parallel_size=2, vllm_max_model_length=256,
                        vllm_model_impl="transformers", vllm_dtype="float32", vllm_kv_cache_memory_bytes=2**26,
                        vllm_enable_prefix_caching=False, vllm_engine_kwargs={"enforce_eager": True}, vllm_seed=3,
-                       vllm_server_base_url="http://10.0.0.5:9000", vllm_server_host="10.0.0.5", vllm_server_port=9000,
+                       vllm_enforce_eager=False, vllm_server_base_url="http://10.0.0.5:9000", vllm_server_host="10.0.0.5", vllm_server_port=9000,
                        vllm_server_timeout=5.0, vllm_group_port=51300, vllm_server_token="secret")
     assert vllm_colocate.check_config(args) == vllm_colocate.VLLMColocateParams(
         gpu_memory_utilization=0.5, tensor_parallel_size=2, max_model_length=256, model_impl="transformers",
         dtype="float32", kv_cache_memory_bytes=2**26, enable_prefix_caching=False, engine_kwargs={"enforce_eager": True},
-        seed=3)
+        seed=3, enforce_eager=False)
     assert vllm_server.check_config(args) == vllm_server.VLLMServerParams(
         server_base_url="http://10.0.0.5:9000", server_host="10.0.0.5", server_port=9000, server_timeout=5.0,
         group_port=51300, server_token="secret")

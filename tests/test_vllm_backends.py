@@ -59,16 +59,39 @@ def test_options_come_from_the_configs_vllm_fields(tiny):
         vllm_server_timeout = 3.0
 
     class Args:
-        params, seed = Params(), 7
+        params, seed, max_steps, max_completion_length = Params(), 7, 2, 16
 
     colocate = vllm_colocate_backend(*tiny, Args())
-    assert colocate.params == VLLMColocateParams(gpu_memory_utilization=0.5, max_model_length=512, seed=7)
+    eager = True if not torch.cuda.is_available() else None  # a short CPU run stays eager
+    assert colocate.params == VLLMColocateParams(gpu_memory_utilization=0.5, max_model_length=512, seed=7,
+                                                 enforce_eager=eager)
     server = vllm_server_backend(*tiny, Args())
     assert server.params == VLLMServerParams(server_port=9001, server_timeout=3.0)
     assert server.client.base_url == "http://127.0.0.1:9001"
     Params.vllm_gpu_memory_utilization = 2.0
     with pytest.raises(PlaitError, match="generation.vllm_colocate: .*gpu_memory_utilization=2.0"):
         vllm_colocate_backend(*tiny, Args())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the engine keeps vLLM's own default")
+def test_a_cpu_run_compiles_the_engine_only_when_it_decodes_long_enough(tiny, monkeypatch):
+    class Params:
+        vllm_enforce_eager = None
+
+    def eager(max_steps, length=128, **fields):
+        args = type("Args", (), {"params": Params(), "seed": 0, "max_steps": max_steps, "max_completion_length": length,
+                                 **fields})()
+        return vllm_colocate_backend(*tiny, args).params.enforce_eager
+
+    monkeypatch.setenv("CXX", sys.executable)  # any program found on the PATH stands for the C++ compiler
+    assert eager(2) and eager(63)  # 63 x 128 = 8,064 decode steps at most: under COMPILE_AFTER_DECODE_STEPS
+    assert not eager(64) and not eager(-1)  # 8,192 steps; a run counted in epochs is taken as long
+    assert not eager(100, length=None, max_new_tokens=128)  # online DPO's and GKD's name for the length
+    Params.vllm_enforce_eager = True
+    assert eager(1000)  # the user's choice stands
+    Params.vllm_enforce_eager = None
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert eager(1000)  # no compiler for inductor's kernels: eager
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM supports sleep mode on GPU")
@@ -139,20 +162,6 @@ def test_weights_round_trip_through_a_gloo_group(tiny):
         assert all(torch.equal(received[n], p) for n, p in named)
 
 
-def test_peft_names_are_the_base_models(tiny):
-    from peft import LoraConfig, get_peft_model
-
-    model, _ = tiny
-    base_names = [n for n, _ in model.named_parameters()]
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path()),
-                                LoraConfig(r=2, target_modules=["q_proj", "down_proj"], init_lora_weights=False))
-    with weights.policy_parameters(peft_model) as named:
-        assert [n for n, _ in named] == base_names
-        merged = dict(weights.materialised(named))
-    layer = peft_model.base_model.model.model.layers[0].self_attn.q_proj
-    expected = layer.base_layer.weight + layer.get_delta_weight("default")
-    assert torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"], expected)
-    assert not torch.allclose(expected, layer.base_layer.weight)
 def test_kept_buffers_carry_each_push_without_allocating_again(tiny):
     """A CPU server keeps its receive buffers and the client one send buffer from push to push: both
     pushes land in the same memory, and the second delivers the weights as they are then."""
@@ -195,3 +204,17 @@ def test_kept_buffers_carry_each_push_without_allocating_again(tiny):
     assert addresses[0] == addresses[1]  # the receiver allocated nothing for the second push
 
 
+def test_peft_names_are_the_base_models(tiny):
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = tiny
+    base_names = [n for n, _ in model.named_parameters()]
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path()),
+                                LoraConfig(r=2, target_modules=["q_proj", "down_proj"], init_lora_weights=False))
+    with weights.policy_parameters(peft_model) as named:
+        assert [n for n, _ in named] == base_names
+        merged = dict(weights.materialised(named))
+    layer = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    expected = layer.base_layer.weight + layer.get_delta_weight("default")
+    assert torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"], expected)
+    assert not torch.allclose(expected, layer.base_layer.weight)
