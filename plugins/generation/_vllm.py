@@ -234,10 +234,10 @@ def receive_buckets(group, root: int, layout: list[dict], device,
     """The receiving side of :func:`send_buckets`: (name, tensor) views into each bucket as it arrives.
 
     ``kept`` (a dict the caller holds from push to push) keeps each bucket's buffer for the next push
-    instead of allocating it afresh. A CPU server wants that: its engine process returns freed memory
-    to the system within seconds, and receiving 538 MB into fresh pages took 7-9 s after a rollout there
-    against 0.5 s into pages kept (SmolLM2-135M, 2 cores; vLLM's jemalloc and NUMA binding are in that
-    process, and a plain process faults the same pages in 0.1 s)."""
+    instead of allocating it afresh. A CPU server wants that: with fresh buffers on both sides, a 538 MB
+    push after a rollout took 7-9 s, of which the transfer was about 0.5 s; with both sides' buffers kept,
+    0.6-1.1 s (SmolLM2-135M, 2 cores). Why fresh pages cost that much in these processes is not known (a
+    standalone process fills as many in 0.1 s)."""
     for index, bucket in enumerate(layout):
         dtype = WEIGHT_DTYPES[bucket["dtype"]]
         key = (index, bucket["numel"], dtype)

@@ -15,8 +15,8 @@ adapter, as a new version that the engine loads and generation then names (docs/
 Its options (:class:`VLLMColocateParams`) are fields of every online method's Config as ``vllm_<option>``:
 TRL's ``vllm_gpu_memory_utilization``, ``vllm_tensor_parallel_size``, ``vllm_max_model_length``,
 ``vllm_enable_sleep_mode``, ``vllm_model_impl``, and plait's ``vllm_dtype``, ``vllm_kv_cache_memory_bytes``,
-``vllm_enable_prefix_caching``, ``vllm_enforce_eager``, ``vllm_engine_kwargs``, ``vllm_seed``, ``vllm_lora_sync``. The class is
-published under the ``plait.generation_options`` entry-point group for that
+``vllm_enable_prefix_caching``, ``vllm_enforce_eager``, ``vllm_engine_kwargs``, ``vllm_seed``, ``vllm_lora_sync``.
+The class is published under the ``plait.generation_options`` entry-point group for that
 (:func:`plait.engine.config.contributed_fields`).
 ``vllm_structured_outputs_regex`` reaches each request's sampling options.
 
@@ -97,8 +97,8 @@ class VLLMColocateParams(LoRASyncParams):
         "model_impl": "'auto', 'vllm' or 'transformers': whose implementation of the architecture vLLM runs",
         "kv_cache_memory_bytes": "size the engine's KV cache in bytes (CPU: instead of VLLM_CPU_KVCACHE_SPACE)",
         "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
-        "enforce_eager": "run the engine's model uncompiled: faster start, slower decoding (null: CPU runs of "
-                         "over 8,192 decode steps compile)",
+        "enforce_eager": "run the engine's model uncompiled: faster start, slower decoding (null: a CPU run "
+                         "planning 8,192 or more decode steps compiles)",
         "seed": "the engine's sampling seed (null: the run's seed)",
         "engine_kwargs": "more vllm.LLM keyword arguments",
     }
