@@ -97,8 +97,8 @@ class VLLMColocateParams(LoRASyncParams):
         "model_impl": "'auto', 'vllm' or 'transformers': whose implementation of the architecture vLLM runs",
         "kv_cache_memory_bytes": "size the engine's KV cache in bytes (CPU: instead of VLLM_CPU_KVCACHE_SPACE)",
         "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
-        "enforce_eager": "run the engine's model uncompiled: faster start, slower decoding (null: a CPU run "
-                         "planning 8,192 or more decode steps compiles)",
+        "enforce_eager": "run the engine's model uncompiled: faster start, slower decoding (null: compiled "
+                         "on CPU from 8,192 decode steps)",
         "seed": "the engine's sampling seed (null: the run's seed)",
         "engine_kwargs": "more vllm.LLM keyword arguments",
     }
