@@ -6,7 +6,10 @@ LoRA adapters. Skipped where vLLM is not installed (see the README for the CPU i
 """
 
 import copy
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +150,17 @@ def test_prefix_cache_is_reset_by_a_push(backend, tiny):
     train_step(model, tokenizer, lr=3e-2)
     backend.load_weights(model)
     assert max_gap(model, backend.generate(prompt, sampling)) <= EXACT
+
+
+def test_a_colocated_run_through_the_command_exits_without_a_traceback(tmp_path):
+    """`plait grpo --use_vllm`: the engine made the process group and leaves it as the trainer closes it at
+    exit; left to vLLM's own exit hook, it found the group gone and printed a traceback after the save."""
+    root = Path(__file__).resolve().parent.parent
+    command = [str(Path(sys.prefix) / "bin" / "plait"), "grpo", "--config", str(root / "examples/recipes/grpo_tiny.yaml"),
+               "--model", str(tiny_model_path()), "--use_vllm", "--vllm_kv_cache_memory_bytes", str(64 * 2**20),
+               "--vllm_max_model_length", "256", "--max_steps", "1", "--output_dir", str(tmp_path / "run")]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    assert "saved the grpo model" in output
+    assert "Exception ignored in atexit" not in output and "Invalid process group" not in output, output[-3000:]

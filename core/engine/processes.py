@@ -34,7 +34,8 @@ def _leave_at_exit() -> None:
     for holder in list(_group_holders):
         holder.release_process_group()
     gc.collect()  # the wrappers' last references, so the group's threads are joined when it is left
-    dist.destroy_process_group()
+    if dist.is_initialized():  # an in-process vLLM engine that made the group leaves it as it closes
+        dist.destroy_process_group()
 
 
 def shard_on_cpu(accelerator) -> bool:

@@ -275,6 +275,19 @@ class RolloutTrainer(PlaitTrainer):
             unscored.finish()
         return result
 
+    def release_process_group(self) -> None:
+        """The generation backend closes first, at interpreter exit: an in-process vLLM engine made the
+        process group itself and holds groups of its own, which its shutdown leaves while they still
+        work (left to vLLM's own exit hook, that found the group gone and printed a traceback after
+        every colocated run)."""
+        backend = vars(self).get("backend")
+        if backend is not None:
+            try:
+                backend.close()
+            except Exception as err:  # noqa: BLE001 - the run is over; leaving the group matters more
+                logger.warning("closing the generation backend at exit failed: %s", err)
+        super().release_process_group()
+
     # -- what a method says ---------------------------------------------------------------------
     def rollout_plan(self, args) -> GenerationSizes:
         """How a rollout divides: completions per prompt, micro-batches and passes over it."""
