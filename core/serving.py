@@ -9,6 +9,7 @@ of the handler names its ``routes`` and implements each as ``method(body) -> dic
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import io
 import ipaddress
@@ -120,7 +121,11 @@ class BoundedServer(ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self.slots.release()
+            # The server's SIGTERM handler raises SystemExit wherever the main thread is, also while the new
+            # thread is starting; that thread then runs and gives its slot back itself. A second release
+            # here raised ValueError, which socketserver logs and serves on: the server did not exit.
+            with contextlib.suppress(ValueError):
+                self.slots.release()
             raise
 
     def process_request_thread(self, request, client_address) -> None:

@@ -460,3 +460,35 @@ def test_token_flags(runtime_dir, capsys, monkeypatch):
     assert client.credentials() == ("from-the-file", f"vllm_server_token_file {chosen}")
     monkeypatch.setenv("PLAIT_VLLM_TOKEN", "from-env")
     assert server_token(serve_arguments()) == ("from-env", None)
+
+
+def test_a_sigterm_while_a_connection_thread_starts_still_stops_the_server(monkeypatch):
+    """The serve commands' SIGTERM handler raises SystemExit wherever the main thread is. Landing in the
+    start of a connection's thread, it must end the server (the thread gives its own slot back), not turn
+    into socketserver's logged ValueError for a slot released twice, after which the server served on."""
+    import http.server
+
+    from plait.serving import BoundedServer
+
+    server = BoundedServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler, who="test", token="t",
+                           max_connections=2, header_timeout=1.0, max_body_bytes=1024, body_timeout=1.0)
+    start = threading.Thread.start
+
+    def start_then_signal(thread):
+        start(thread)
+        thread.join()  # the connection's thread has served and given its slot back ...
+        raise SystemExit(0)  # ... when the signal lands in Thread.start
+
+    ours, theirs = socket.socketpair()
+    theirs.close()  # the handler reads an empty request and returns
+    monkeypatch.setattr(threading.Thread, "start", start_then_signal)
+    try:
+        with pytest.raises(SystemExit):
+            server.process_request(ours, ("127.0.0.1", 0))
+    finally:
+        monkeypatch.undo()
+        for thread in list(server._threads):
+            thread.join(timeout=5)
+        server.server_close()
+    assert server.slots.acquire(blocking=False) and server.slots.acquire(blocking=False)  # both slots back
+    assert not server.slots.acquire(blocking=False)  # and no third
