@@ -204,7 +204,7 @@ def vllm_worker(spec: dict) -> dict:
     if spec["options"]["mode"] == "colocate":
         backend = vr.VLLMColocateBackend(model, tokenizer, vr.VLLMColocateParams(
             max_model_length=1024, kv_cache_memory_bytes=vr.KV_CACHE, dtype=dtype,
-            engine_kwargs={"enforce_eager": False} if spec["options"].get("enforce_eager") is False else {}))
+            enforce_eager=spec["options"].get("enforce_eager")))
         start = time.perf_counter()
         backend.start()
         started = time.perf_counter() - start

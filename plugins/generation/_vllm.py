@@ -291,10 +291,10 @@ class WorkerExtension:
         return rank
 
     def plait_receive_weights(self, layout: list[dict]) -> None:
-        device = torch.device("cpu") if on_cpu() else self.device
-        if on_cpu() and getattr(self, "_plait_buckets", None) is None:
-            self._plait_buckets = {}  # kept from push to push (receive_buckets says why); a GPU's allocator caches
-        kept = self._plait_buckets if on_cpu() else None
+        cpu = on_cpu()
+        device = torch.device("cpu") if cpu else self.device
+        # kept from push to push (receive_buckets says why); a GPU's caching allocator keeps its own
+        kept = vars(self).setdefault("_plait_buckets", {}) if cpu else None
         self.plait_load_weights(receive_buckets(self._plait_group, self._plait_root, layout, device, kept))
 
     def plait_leave_weight_group(self) -> None:
