@@ -3,6 +3,7 @@
     .venv-trl/bin/python benchmarks/trl_side_by_side.py
         [--methods sft,dpo,dpo_lora,kto,reward_model,grpo,orpo,cpo,online_dpo,gkd] [--lengths 128,512]
         [--settings defaults,equal,checkpointed] [--steps 3] [--rounds 1] [--libraries plait,trl] [--model FOLDER]
+        [--isa avx2]
 
 Runs in the parity venv (`make test-parity` builds it: TRL 1.16 beside an editable plait), never in
 the main one. Each run is a fresh process (its peak RSS is its own) that builds the trainer with
@@ -35,6 +36,13 @@ padding-free default drops it (plait's batches also hold each prompt once, ``pre
 8 completions) so its prompts pad too. Writes benchmarks/results/trl_side_by_side.json (``--ragged``:
 trl_side_by_side_ragged.json; another machine's runs: ``--results FILE``) and prints the table. Each
 run records the CPU's bf16 units as plait reads them, which decide plait's precision default.
+
+``--isa avx2`` stands in for a CPU without bf16 units on one that has them: every run's kernels are held
+to AVX2 (``ISA_LIMITS``: torch's own through ``ATEN_CPU_CAPABILITY``, oneDNN's through
+``ONEDNN_MAX_CPU_ISA``, MKL's fp32 GEMMs through ``MKL_ENABLE_INSTRUCTIONS``), so no AVX-512 and no AMX
+unit runs, and plait reads the CPU as without bf16 units (its ``defaults`` are then fp32 with
+checkpointing). The cores, caches and memory stay this machine's, so it is an emulation, recorded as
+``isa`` in each run; its runs belong in their own ``--results`` file.
 
 FLOP fraction. Each run also reports the model FLOPs of a step as benchmarks/flops.py counts them
 (``tflop_per_step``; ``training_tflop_per_step`` and ``generation_tflop_per_step`` apart for the
@@ -86,6 +94,8 @@ ROWS = {"sft": "text", "dpo": "pair", "dpo_lora": "pair", "reward_model": "pair"
 BATCH, GENERATIONS, NEW_TOKENS, LORA_RANK = 4, 4, 32, 16
 SAMPLES = {"grpo": GENERATIONS, "online_dpo": 2}  # completions an online method samples per prompt
 LAYOUT_OPTIONS = {"dpo_lora": {"lora": LORA_RANK}, "online_dpo": {"reference": True}}  # for flops.LAYOUTS
+# environment that holds every kernel library of a run to an instruction set (--isa)
+ISA_LIMITS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
 SETTINGS = {"equal": dict(bf16=False, gradient_checkpointing=False),  # what each setting fixes; defaults fix nothing
             "checkpointed": dict(bf16=False, gradient_checkpointing=True)}
 
@@ -370,6 +380,8 @@ def main() -> None:
     parser.add_argument("--libraries", default="plait,trl", help="e.g. trl alone for defaults where plait's are the checkpointed setting")
     parser.add_argument("--ragged", action="store_true", help="rows of random lengths up to --lengths, as real data")
     parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct via examples/smollm2.py)")
+    parser.add_argument("--isa", choices=sorted(ISA_LIMITS), help="hold every kernel to this instruction set "
+                        "(a CPU without bf16 units, emulated)")
     parser.add_argument("--output_dir", default="/tmp/plait-trl-side-by-side")
     parser.add_argument("--extra", type=json.loads, default={}, help='config fields set in every run, as JSON: \'{"padding_free": false}\'')
     parser.add_argument("--results", type=Path, help=f"results file (default {RESULTS.relative_to(HERE.parent)}, "
@@ -391,7 +403,8 @@ def main() -> None:
                     for library in options.libraries.split(","):
                         spec = {"library": library, "method": method, "length": length, "setting": setting,
                                 "steps": options.steps, "model": model, "output_dir": options.output_dir,
-                                "ragged": options.ragged, **({"extra": options.extra} if options.extra else {})}
+                                "ragged": options.ragged, **({"extra": options.extra} if options.extra else {}),
+                                **({"isa": options.isa, "env": ISA_LIMITS[options.isa]} if options.isa else {})}
                         runs.append(run(spec))
                         print(json.dumps(runs[-1]), flush=True)
     RESULTS.parent.mkdir(exist_ok=True)
@@ -424,7 +437,7 @@ def print_table(table: dict) -> None:
 
 
 def identity(run_: dict) -> tuple:
-    return tuple(run_.get(k) for k in ("library", "method", "length", "setting")) + (bool(run_.get("ragged")), extra_label(run_))
+    return tuple(run_.get(k) for k in ("library", "method", "length", "setting", "isa")) + (bool(run_.get("ragged")), extra_label(run_))
 
 
 def extra_label(run_: dict) -> str:
