@@ -60,6 +60,25 @@ def test_completion_only_loss_masks_the_prompt(tmp_path):
     assert tok.decode(targets).strip() == (FACT["completion"].strip() + tok.eos_token).strip()
 
 
+def test_completion_only_loss_projects_only_the_completion(tmp_path):
+    # the output layer and the log-softmax over the vocabulary run only where the loss reads: not at the prompt
+    row = {"prompt": "The secret code, which nobody in the whole village has ever been told, is", "completion": " seven."}
+    trainer = SFTTrainer(str(tiny_model_path()), args=config(tmp_path), train_dataset=Dataset.from_list([row] * 2))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    read = int((batch["labels"][:, 1:] != -100).sum())
+    assert 0 < read < batch["input_ids"].numel() // 2  # the prompt is most of each row
+    vocab = trainer.model.config.vocab_size
+    projected: list[int] = []
+    handle = trainer.model.lm_head.register_forward_hook(lambda m, a, out: projected.append(out.reshape(-1, vocab).shape[0]))
+    try:
+        trainer.compute_loss(trainer.model, batch)  # checks the output layer once
+        projected.clear()
+        trainer.compute_loss(trainer.model, batch)
+    finally:
+        handle.remove()
+    assert projected == [batch["input_ids"].shape[0], read]  # the model's own call (a position per row), the chunk
+
+
 def _final_weights(path):
     return load_file(sorted(path.glob("checkpoint-*"))[-1] / "model.safetensors")
 

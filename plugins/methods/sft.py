@@ -200,7 +200,9 @@ class SFTTrainer(PlaitTrainer):
         mask = labels != -100
         mask[:, 0] = False  # nothing predicts a row's first token
         if self.compute_loss_func is None:
-            out = self.token_logprobs(model, inputs["input_ids"], with_argmax=True, **model_inputs)
+            # only the positions the loss reads go through the output layer (a completion-only or assistant-only
+            # batch skips its prompts' projections and log-softmaxes); the rest come back as 0 and stay masked
+            out = self.token_logprobs(model, inputs["input_ids"], with_argmax=True, select=mask, **model_inputs)
             batch = TokenLogps(out.logps, mask)
             loss, parts = self.objective(batch, mask=mask, num_tokens=num_items_in_batch)
             logged, predicted = self.objective.metrics(batch, parts), out.argmax
