@@ -42,7 +42,7 @@ to AVX2 (``ISA_LIMITS``: torch's own through ``ATEN_CPU_CAPABILITY``, oneDNN's t
 ``ONEDNN_MAX_CPU_ISA``, MKL's fp32 GEMMs through ``MKL_ENABLE_INSTRUCTIONS``), so no AVX-512 and no AMX
 unit runs, and plait reads the CPU as without bf16 units (its ``defaults`` are then fp32 with
 checkpointing). The cores, caches and memory stay this machine's, so it is an emulation, recorded as
-``isa`` in each run; its runs belong in their own ``--results`` file.
+``isa`` in each run and written to a file of its own (trl_side_by_side_avx2.json).
 
 FLOP fraction. Each run also reports the model FLOPs of a step as benchmarks/flops.py counts them
 (``tflop_per_step``; ``training_tflop_per_step`` and ``generation_tflop_per_step`` apart for the
@@ -385,7 +385,8 @@ def main() -> None:
     parser.add_argument("--output_dir", default="/tmp/plait-trl-side-by-side")
     parser.add_argument("--extra", type=json.loads, default={}, help='config fields set in every run, as JSON: \'{"padding_free": false}\'')
     parser.add_argument("--results", type=Path, help=f"results file (default {RESULTS.relative_to(HERE.parent)}, "
-                        "or trl_side_by_side_ragged.json with --ragged); runs of another machine belong in another file")
+                        "trl_side_by_side_ragged.json with --ragged, trl_side_by_side_avx2.json with --isa avx2); runs of "
+                        "another machine belong in another file")
     options = parser.parse_args()
     if options.worker:
         print(json.dumps(worker(json.loads(options.worker))))
@@ -408,7 +409,9 @@ def main() -> None:
                         runs.append(run(spec))
                         print(json.dumps(runs[-1]), flush=True)
     RESULTS.parent.mkdir(exist_ok=True)
-    results = options.results or (RESULTS.with_name("trl_side_by_side_ragged.json") if options.ragged else RESULTS)
+    # ragged and emulated runs keep files of their own, so no summary averages them with full rows at full width
+    default = f"{RESULTS.stem}{'_ragged' if options.ragged else ''}{f'_{options.isa}' if options.isa else ''}.json"
+    results = options.results or RESULTS.with_name(default)
     # earlier runs of other methods, lengths or settings stay in the file; these replace their own
     ran = {identity(r) for r in runs}
     earlier = json.loads(results.read_text()) if results.exists() else {}
