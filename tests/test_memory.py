@@ -82,8 +82,21 @@ def test_a_cpu_training_run_reuses_freed_memory_instead_of_faulting_it_back_in(t
     assert faults(trimmed) > 10 * max(faults(kept), 1000), (faults(trimmed), faults(kept))
 
 
+# Two 48 MiB tensors made and freed ten times: above glibc's largest mmap threshold (32 MiB), so each is a
+# mapping of its own, unmapped when freed and faulted in page by page the next time, unless glibc is told
+# to make no mappings (a chunk of output-layer logits is such a block, every chunk of every step).
+REUSE_LARGE = REUSE.replace("torch.ones(3 * 2**20) for _ in range(8)", "torch.ones(12 * 2**20) for _ in range(2)")
+
+
+def test_a_cpu_training_run_reuses_blocks_above_glibcs_mmap_threshold_too(tmp_path):
+    kept = run_python(TRAIN.format(out=str(tmp_path / "kept")) + REUSE_LARGE)
+    trimmed = run_python(TRAIN.format(out=str(tmp_path / "trimmed")) + REUSE_LARGE, PLAIT_KEEP_FREED_HEAP="0")
+    assert faults(kept) < 100 < faults(trimmed), (faults(trimmed), faults(kept))  # 2 MiB pages: >= 480 faults
+
+
 def test_a_users_own_glibc_settings_are_kept():
     code = "from plait.engine.memory import keep_freed_heap\nprint('kept', keep_freed_heap())"
     assert "kept True" in run_python(code).stdout
     assert "kept False" in run_python(code, MALLOC_TRIM_THRESHOLD_="131072").stdout
+    assert "kept False" in run_python(code, MALLOC_MMAP_MAX_="65536").stdout
     assert "kept False" in run_python(code, PLAIT_KEEP_FREED_HEAP="0").stdout
