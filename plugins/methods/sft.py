@@ -209,7 +209,7 @@ class SFTTrainer(PlaitTrainer):
         else:  # the user's loss of the full outputs and the (unshifted) labels, as Trainer and TRL call it
             outputs = model(input_ids=inputs["input_ids"], use_cache=False, **model_inputs)
             loss, logged = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch), {}
-            predicted = F.pad(outputs.logits[:, :-1].detach().argmax(-1), (1, 0))  # aligned with the tokens predicted
+            predicted = F.pad(outputs.logits[:, :-1].detach().max(-1).indices, (1, 0))  # aligned with the tokens predicted
         if num_items_in_batch is not None and self.args.average_tokens_across_devices:
             loss = loss * self.accelerator.num_processes  # DDP averages gradients; the count was global
 
