@@ -86,6 +86,7 @@ def test_a_cpu_training_run_reuses_freed_memory_instead_of_faulting_it_back_in(t
 # mapping of its own, unmapped when freed and faulted in page by page the next time, unless glibc is told
 # to make no mappings (a chunk of output-layer logits is such a block, every chunk of every step).
 REUSE_LARGE = REUSE.replace("torch.ones(3 * 2**20) for _ in range(8)", "torch.ones(12 * 2**20) for _ in range(2)")
+assert REUSE_LARGE != REUSE
 
 
 def test_a_cpu_training_run_reuses_blocks_above_glibcs_mmap_threshold_too(tmp_path):
