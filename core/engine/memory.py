@@ -32,13 +32,15 @@ KTO, ORPO, CPO and GRPO 5-22% faster, for 0-5% more peak RSS. A user's own glibc
 settings (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_MMAP_MAX_``, ``MALLOC_TOP_PAD_``,
 ``GLIBC_TUNABLES``) are kept, and ``PLAIT_KEEP_FREED_HEAP=0`` leaves glibc's defaults.
 
-:func:`keep_freed_heap` also turns glibc's own mappings off (``M_MMAP_MAX`` 0), so blocks of 32 MiB
-and more come from the heap too: a step's largest tensors are its biggest page-fault bill. One chunk of
-output-layer logits (682 positions × 49,152 tokens, 134 MB in float32), its bf16 projection (67 MB),
-its log-softmax and gradient, and the bf16 cast of a tied embedding (57 MB) were each a fresh mapping, zeroed page by page,
-every chunk of every step. Measured on a 2-core Xeon with AMX: a 38 MB elementwise product 11.5 -> 2.0 ms,
-the output layer's bf16 projection of 682 positions 0.73 -> 1.51 TFLOP/s, and a step of SFT, DPO, KTO,
-ORPO, CPO or GKD 15-34% faster (SmolLM2, 512 tokens, bf16), peak RSS within 3% (DPO + LoRA: +9 to +21%).
+:func:`keep_freed_heap` also turns glibc's own mappings off (``M_MMAP_MAX`` 0), so blocks of 32 MiB and more
+come from the heap too. glibc serves such a block from free heap space when it has room, but where the heap
+would have to grow it maps the block afresh instead, so the heap never grows to hold it and the block is
+mapped again next time: a step's largest tensors were its biggest page-fault bill. One chunk of output-layer
+logits (682 positions × 49,152 tokens, 134 MB in float32), its bf16 projection (67 MB), its log-softmax and
+gradient, and the bf16 cast of a tied embedding (57 MB) are such blocks, made and freed every chunk of every
+step. Measured on a 2-core Xeon with AMX: a 38 MB elementwise product 11.5 -> 2.0 ms, the output layer's
+bf16 projection of 682 positions 0.73 -> 1.51 TFLOP/s, and a step of SFT, DPO, KTO, ORPO, CPO or GKD 15-34%
+faster (SmolLM2, 512 tokens, bf16), peak RSS within 3% (DPO + LoRA: +9 to +21%).
 """
 
 from __future__ import annotations
