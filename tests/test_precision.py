@@ -189,3 +189,85 @@ def test_a_trainer_gives_its_models_rotary_tables_in_the_compute_dtype(tmp_path)
         for model in (trainer.model, *trainer.held_models()):
             rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
             assert rotaries and all(m._plait_compute_dtype for m in rotaries)
+
+
+# -- a frozen reference under autocast holds its linear layers in the compute dtype (plait.engine.autocast) --
+
+
+def _linears(model) -> list[torch.nn.Linear]:
+    return [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+
+def test_frozen_linears_stored_in_bf16_give_the_same_products_under_autocast_at_half_the_bytes():
+    from transformers import AutoModelForCausalLM
+
+    from plait.engine.autocast import frozen_linears_in_compute_dtype
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_path()).requires_grad_(False)
+    stored = AutoModelForCausalLM.from_pretrained(tiny_model_path()).requires_grad_(False)
+    output = stored.get_output_embeddings()
+    assert frozen_linears_in_compute_dtype(stored, torch.bfloat16) == len(_linears(stored)) - 1  # all but the output
+    assert all(m.weight.dtype == torch.bfloat16 for m in _linears(stored) if m is not output)
+    assert output.weight.dtype == torch.float32 and output.weight is stored.get_input_embeddings().weight  # tied
+    assert frozen_linears_in_compute_dtype(stored, torch.bfloat16) == 0  # once
+    ids = torch.randint(0, plain.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(plain(input_ids=ids).logits, stored(input_ids=ids).logits)  # bit for bit
+    size = lambda model: sum(p.numel() * p.element_size() for p in model.parameters())  # noqa: E731
+    linear_bytes = sum(m.weight.numel() * 4 for m in _linears(plain) if m is not plain.get_output_embeddings())
+    assert size(plain) - size(stored) == linear_bytes // 2
+
+
+def test_only_frozen_unshared_float32_linears_change():
+    from plait.engine.autocast import frozen_linears_in_compute_dtype
+
+    frozen, trained, shared = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    frozen.requires_grad_(False)
+    shared.requires_grad_(False)
+    other = torch.nn.Module()
+    other.weight = shared.weight  # held by a second module (as a tied embedding is)
+    model = torch.nn.ModuleDict({"frozen": frozen, "trained": trained, "shared": shared, "other": other})
+    assert frozen_linears_in_compute_dtype(model, torch.bfloat16) == 1
+    assert [m.weight.dtype for m in (frozen, trained, shared)] == [torch.bfloat16, torch.float32, torch.float32]
+
+
+def _dpo(tmp_path, name: str, **fields) -> DPOTrainer:
+    pairs = Dataset.from_list([{"prompt": f"Tell me about the {w}.", "chosen": f" The {w} is good.",
+                                "rejected": f" The {w} is bad."} for w in WORDS])
+    ref_model = fields.pop("ref_model", None)
+    return DPOTrainer(str(tiny_model_path()), ref_model=ref_model, train_dataset=pairs,
+                      args=DPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=8, max_steps=1,
+                                     **COMMON, **fields))
+
+
+def test_a_bf16_runs_own_reference_holds_bf16_linears_and_scores_exactly_as_its_float32_copy(tmp_path):
+    import copy
+
+    trainer = _dpo(tmp_path, "bf16", bf16=True)
+    reference, policy = trainer.ref_model, trainer.model
+    output = reference.get_output_embeddings()
+    assert all(m.weight.dtype == torch.bfloat16 for m in _linears(reference) if m is not output)
+    assert all(p.dtype == torch.float32 for p in policy.parameters())  # the policy trains float32 weights
+    # untrained, the policy holds the reference's weights: a float32 copy prepared as the reference is (its
+    # forward in accelerate's autocast, as every reference forward runs) scores the same bit for bit
+    float32_copy = trainer.accelerator.prepare_model(copy.deepcopy(policy).eval().requires_grad_(False),
+                                                     evaluation_mode=True)
+    assert all(p.dtype == torch.float32 for p in float32_copy.parameters())
+    batch = next(iter(trainer.get_train_dataloader()))
+    with torch.no_grad():
+        ours = trainer.completion_logps(reference, batch)[0]
+        theirs = trainer.completion_logps(float32_copy, batch)[0]
+        unprepared = trainer.completion_logps(copy.deepcopy(policy).eval(), batch)[0]  # float32 compute, no autocast
+    assert torch.equal(ours, theirs), (ours, theirs)
+    assert not torch.equal(ours, unprepared)  # autocast acted: the comparison could fail
+
+
+def test_a_reference_stays_float32_without_autocast_when_the_user_gave_it_or_when_synced(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    given = AutoModelForCausalLM.from_pretrained(tiny_model_path())
+    trainers = {"fp32": _dpo(tmp_path, "fp32", bf16=False), "given": _dpo(tmp_path, "given", bf16=True, ref_model=given),
+                "synced": _dpo(tmp_path, "synced", bf16=True, sync_ref_model=True)}
+    for name, trainer in trainers.items():
+        assert all(p.dtype == torch.float32 for p in trainer.ref_model.parameters()), name
+    assert trainers["given"].ref_model is given

@@ -1,4 +1,5 @@
-"""Rotary position tables in the autocast's dtype, so rotating q and k costs no float32 round trip.
+"""Rotary position tables in the autocast's dtype, so rotating q and k costs no float32 round trip;
+a frozen model's linear layers stored in the autocast's dtype, so it holds and casts half as much.
 
 A transformers decoder computes its rotary tables (cos, sin) in the dtype of the hidden states it
 is given, and under mixed precision those are the float32 residual stream: the query and key come
@@ -15,13 +16,28 @@ dtype instead, so the rotation runs in bf16 on bf16 query and key, as it does in
 bf16. Only the rotation's rounding changes (bf16 products instead of a float32 rotation rounded to
 bf16 once), an error of the size autocast already makes in every projection; without autocast
 nothing changes.
+
+A frozen model (the reference of DPO, KTO and the online methods) runs only under the trainer's
+autocast (accelerate wraps the forward of the model it prepares in it), which casts every linear
+layer's float32 weight to bf16 at every call: autocast's cast
+cache keeps only weights that take gradients, so a frozen weight is cast afresh at each forward, and
+the float32 copy is held all run for nothing else. :func:`frozen_linears_in_compute_dtype` stores
+those weights cast once: the products are the same bit for bit (the same rounding of the same
+float32 weight), the layers hold half the memory, and no forward casts them. DPO on SmolLM2-135M
+(512 tokens, batch 4, bf16, six steps on a 2-core Xeon with AMX): every logged loss, gradient norm,
+margin and log-prob equal, peak RSS 4,250 -> 3,962 MiB.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
-__all__ = ["rotary_in_compute_dtype"]
+__all__ = ["frozen_linears_in_compute_dtype", "rotary_in_compute_dtype"]
+
+# accelerate's mixed-precision setting -> the dtype its autocast computes linear layers in
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _tables_in_compute_dtype(module, args, output):
@@ -45,3 +61,23 @@ def rotary_in_compute_dtype(model: torch.nn.Module) -> int:
             module._plait_compute_dtype = True
             hooked += 1
     return hooked
+
+
+def frozen_linears_in_compute_dtype(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Store the float32 weights (and biases) of ``model``'s frozen linear layers in ``dtype``, the
+    autocast's compute dtype, for a model that only ever runs under that autocast (see the module
+    docstring). Only plain ``nn.Linear`` layers whose parameters all are frozen, float32 and held by
+    no other module, and never the output layer: ``cast_lm_head_to_fp32`` projects it from its float32
+    weight, and a tied one is the input embedding too. Returns how many layers changed."""
+    get_output = getattr(model, "get_output_embeddings", None)
+    output = get_output() if callable(get_output) else None
+    holders = Counter(id(param) for module in model.modules() for param in module.parameters(recurse=False))
+    changed = 0
+    for module in model.modules():
+        if type(module) is not torch.nn.Linear or module is output:
+            continue
+        params = list(module.parameters(recurse=False))
+        if all(not p.requires_grad and p.dtype == torch.float32 and holders[id(p)] == 1 for p in params):
+            module.to(dtype)
+            changed += 1
+    return changed

@@ -14,11 +14,12 @@ from typing import Any, Callable, ClassVar, Mapping, TypeVar
 
 import attrs
 import torch
-from accelerate.utils import is_peft_model
+from accelerate.utils import DistributedType, is_peft_model
 from transformers import AutoModelForCausalLM, PreTrainedModel, TrainerCallback
 
 from plait.data import chat, preflight, vision
 from plait.data.pretrained import pretrained_kwargs
+from plait.engine.autocast import COMPUTE_DTYPES, frozen_linears_in_compute_dtype
 from plait.errors import PlaitError
 from plait.params import in_range, positive
 from plait.paths import cache_dir, keep_within, read_cached, write_atomically
@@ -174,10 +175,12 @@ class Reference:
     log-probs, beta = 0).
     """
 
-    def __init__(self, model: PreTrainedModel | None, *, adapters_off: bool = False, adapter: str | None = None):
+    def __init__(self, model: PreTrainedModel | None, *, adapters_off: bool = False, adapter: str | None = None,
+                 owned: bool = False):
         self.model = model
         self.adapters_off = adapters_off
         self.adapter = adapter  # the frozen adapter's name, in the policy's PEFT model
+        self.owned = owned  # plait made the model (a copy, or loaded from a path): no one else holds it
         if model is not None:
             model.eval()
             model.requires_grad_(False)
@@ -189,13 +192,13 @@ class Reference:
         if ref_model is not None:
             ref = load_model(ref_model, init_kwargs, field="ref_model")
             check_same_vocabulary(policy, ref, "ref_model")
-            return cls(ref)
+            return cls(ref, owned=isinstance(ref_model, str))
         if peft_config is not None:
             refuse_adapters_on_adapters(policy, peft_config)
             return cls.adapters_disabled()
         if is_peft_model(policy):
             return cls(None, adapter=_add_frozen_adapter_copy(policy))
-        return cls(copy.deepcopy(policy))
+        return cls(copy.deepcopy(policy), owned=True)
 
     @classmethod
     def adapters_disabled(cls) -> "Reference":
@@ -221,6 +224,22 @@ class Reference:
             if self.model is None:
                 raise PlaitError("no reference model is loaded (beta = 0 or precomputed log-probs)")
             return compute(self.model)
+
+    def prepare(self, accelerator, *, synced: bool) -> None:
+        """accelerate's evaluation-mode preparation of a separate reference model. Under mixed precision a
+        reference plait made stores its frozen linear layers in autocast's dtype first: accelerate wraps
+        the prepared model's forward in its autocast, so every reference forward runs under it wherever it
+        is called, and the products are the same bit for bit at half the memory
+        (:func:`plait.engine.autocast.frozen_linears_in_compute_dtype`). Not when ``sync_ref_model`` mixes
+        the policy into it (``synced``: TR-DPO's mix is in float32), nor under DeepSpeed or FSDP, which
+        shard and cast the model themselves."""
+        if self.model is None:
+            return
+        dtype = COMPUTE_DTYPES.get(accelerator.mixed_precision) if accelerator.native_amp else None
+        sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+        if dtype is not None and self.owned and not synced and not sharded:
+            frozen_linears_in_compute_dtype(self.model, dtype)
+        self.model = accelerator.prepare_model(self.model, evaluation_mode=True)
 
     def check_syncable(self, policy, peft_config) -> None:
         """Refuse ``sync_ref_model=True`` where there is no separate reference to mix the policy into."""

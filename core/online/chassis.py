@@ -662,8 +662,7 @@ class OnlineTrainer(RolloutTrainer):
     def after_init(self) -> None:
         p = self.args.params
         self.loss_is_scaled_for_ga = True  # every loss plugin normalises for accumulation itself
-        if self.reference.model is not None:
-            self.reference.model = self.accelerator.prepare_model(self.reference.model, evaluation_mode=True)
+        self.reference.prepare(self.accelerator, synced=p.sync_ref_model)
         if p.sync_ref_model:
             self.add_callback(SyncReference(self.reference))
         super().after_init()

@@ -68,8 +68,7 @@ class ReferenceTrainer(PaddingFreeRows, PlaitTrainer):
     def after_init(self) -> None:
         if self.args.params.precompute_ref_log_probs:
             self.reference = Reference.none()  # every batch carries its cached reference log-probs
-        if self.reference.model is not None:
-            self.reference.model = self.accelerator.prepare_model(self.reference.model, evaluation_mode=True)
+        self.reference.prepare(self.accelerator, synced=self.args.params.sync_ref_model)
         if self.args.params.sync_ref_model:
             self.add_callback(SyncReference(self.reference))
 

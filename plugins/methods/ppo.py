@@ -389,8 +389,7 @@ class PPOTrainer(RolloutTrainer):
 
     def after_init(self) -> None:
         super().after_init()
-        if self.reference.model is not None:
-            self.reference.model = self.accelerator.prepare_model(self.reference.model, evaluation_mode=True)
+        self.reference.prepare(self.accelerator, synced=False)  # PPO has no TR-DPO sync
         self.kl_controller = self._kl_controller()
         self.loss_is_scaled_for_ga = False  # the losses are means over a micro-batch: the Trainer divides by GA
         if self._max_steps is not None:
