@@ -19,13 +19,13 @@ nothing changes.
 
 A frozen model (the reference of DPO, KTO and the online methods) runs only under the trainer's
 autocast (accelerate wraps the forward of the model it prepares in it), which casts every linear
-layer's float32 weight to bf16 at every call: autocast's cast
-cache keeps only weights that take gradients, so a frozen weight is cast afresh at each forward, and
-the float32 copy is held all run for nothing else. :func:`frozen_linears_in_compute_dtype` stores
-those weights cast once: the products are the same bit for bit (the same rounding of the same
-float32 weight), the layers hold half the memory, and no forward casts them. DPO on SmolLM2-135M
-(512 tokens, batch 4, bf16, six steps on a 2-core Xeon with AMX): every logged loss, gradient norm,
-margin and log-prob equal, peak RSS 4,250 -> 3,962 MiB.
+layer's float32 weight to bf16 at every call: autocast's cast cache keeps only weights that take
+gradients, so a frozen weight is cast afresh at each forward, and its float32 copy is held all run
+for nothing else. :func:`frozen_linears_in_compute_dtype` stores those weights cast once: the products
+are the same bit for bit (the same rounding of the same float32 weight), the layers hold half the
+memory, and no forward casts them. DPO on SmolLM2-135M (512 tokens, batch 4, bf16, six steps on a
+2-core Xeon with AMX): every logged loss, gradient norm, margin and log-prob equal, peak RSS 4,250 ->
+3,879 MiB (docs/benchmarks.md).
 """
 
 from __future__ import annotations
