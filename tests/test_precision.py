@@ -70,15 +70,18 @@ def _trainers(tmp_path, precision: dict):
                        learning_rate=3e-3, **COMMON, **precision),
         train_dataset=Dataset.from_list([{"prompt": "The secret code is", "completion": " seven blue horses."}] * 8),
     )
-    pairs = Dataset.from_list([{"prompt": f"Tell me about the {w}.", "chosen": f" The {w} is good.",
-                                "rejected": f" The {w} is bad."} for w in WORDS])
     dpo = DPOTrainer(
         str(tiny_model_path()),
         args=DPOConfig(output_dir=str(tmp_path / "dpo"), per_device_train_batch_size=8, max_steps=8,
                        learning_rate=1e-3, beta=0.1, **COMMON, **precision),
-        train_dataset=pairs,
+        train_dataset=_pairs(),
     )
     return sft, dpo
+
+
+def _pairs() -> Dataset:
+    return Dataset.from_list([{"prompt": f"Tell me about the {w}.", "chosen": f" The {w} is good.",
+                               "rejected": f" The {w} is bad."} for w in WORDS])
 
 
 @pytest.mark.parametrize("choice", ["default", "the other one"])
@@ -231,11 +234,8 @@ def test_only_frozen_unshared_float32_linears_change():
     assert [m.weight.dtype for m in (frozen, trained, shared)] == [torch.bfloat16, torch.float32, torch.float32]
 
 
-def _dpo(tmp_path, name: str, **fields) -> DPOTrainer:
-    pairs = Dataset.from_list([{"prompt": f"Tell me about the {w}.", "chosen": f" The {w} is good.",
-                                "rejected": f" The {w} is bad."} for w in WORDS])
-    ref_model = fields.pop("ref_model", None)
-    return DPOTrainer(str(tiny_model_path()), ref_model=ref_model, train_dataset=pairs,
+def _dpo(tmp_path, name: str, ref_model=None, **fields) -> DPOTrainer:
+    return DPOTrainer(str(tiny_model_path()), ref_model=ref_model, train_dataset=_pairs(),
                       args=DPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=8, max_steps=1,
                                      **COMMON, **fields))
 
