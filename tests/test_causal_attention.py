@@ -137,3 +137,29 @@ def test_the_checkpoints_recompute_still_reuses_attentions_forward():
     assert kernels == plain_kernels  # three calls a layer (the batched pair, the branch, the 7), none run again
     for name, grad in plain.items():
         torch.testing.assert_close(checkpointed[name], grad, atol=0, rtol=0, msg=name)
+
+
+def test_sfts_padded_batches_in_bf16_train_through_it(tmp_path, monkeypatch):
+    """SFT's default batches are padded on the right (padding_free=False, as TRL's): plait_sdpa attends them
+    causally without the mask, so a bf16 run's attention backward is the blocked one, and it learns."""
+    from datasets import Dataset
+
+    from plait.plugins.methods.sft import SFTConfig, SFTTrainer
+    from plait.testing.tiny_model import tiny_model_path
+
+    calls = []
+    blocked = causal_attention.causal_attention_backward
+    monkeypatch.setattr(causal_attention, "causal_attention_backward", lambda *a: calls.append(a[0].shape) or blocked(*a))
+    rows = [{"prompt": f"The {w} is", "completion": " a" + f" {w}" * n + " of seven blue horses."}
+            for n, w in enumerate(["apple", "river", "stone", "cloud"])]  # four lengths: padded rows
+    trainer = SFTTrainer(str(tiny_model_path()), train_dataset=Dataset.from_list(rows * 2), args=SFTConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=6, learning_rate=3e-3, bf16=True,
+        use_cpu=True, report_to="none", logging_steps=1, save_strategy="no"))
+    assert trainer.padding_free is False and trainer.model.config._attn_implementation == "plait_sdpa"
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    assert not batch["attention_mask"].all()  # padded
+    trainer.train()
+    layers = trainer.model.config.num_hidden_layers
+    assert len(calls) == 6 * layers and all(shape[0] == 4 for shape in calls)  # every layer of every step, 4 rows
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert losses[-1] < losses[0] - 0.5  # it learns (6.9 -> 5.7 here)

@@ -143,6 +143,53 @@ def test_padded_and_cached_batches_are_plain_sdpa():
     assert torch.equal(*generated)
 
 
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.integers(1, 16), min_size=1, max_size=4))
+def test_a_right_padded_batch_is_attended_without_its_mask_with_sdpas_outputs_and_gradients(lengths):
+    """Tokens before their padding, as training collators pad: each token's keys are its row's own, so plait_sdpa
+    attends the batch causally without a mask and every token gets what sdpa's padding mask gives it."""
+    import transformers.masking_utils as masking
+
+    width = max(lengths)
+    ids = torch.randint(3, 500, (len(lengths), width), generator=torch.Generator().manual_seed(len(lengths)))
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+    reference, ours = model(), model()
+    packs_per_sequence(ours)
+    masks = []
+    sdpa_mask = masking.ALL_MASK_ATTENTION_FUNCTIONS["plait_sdpa"]
+    masking.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["plait_sdpa"] = lambda **kw: masks.append(sdpa_mask(**kw)) or masks[-1]
+    try:
+        outputs, grads = [], []
+        for m in (reference, ours):
+            hidden = m.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            (hidden * mask[..., None]).pow(2).sum().backward()  # padding positions read by nothing
+            outputs.append(hidden.detach()[mask.bool()])
+            grads.append({name: p.grad.clone() for name, p in m.named_parameters() if p.grad is not None})
+    finally:
+        masking.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["plait_sdpa"] = sdpa_mask
+    assert masks and all(m is None for m in masks)  # no mask built, padded or not
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_only_padding_after_each_rows_tokens_goes_without_a_mask():
+    from transformers.masking_utils import and_masks, causal_mask_function
+
+    from plait.engine.attention import sequence_sdpa_mask
+
+    def mask_for(padding, mask_function=causal_mask_function):
+        padding = torch.tensor(padding, dtype=torch.bool)
+        return sequence_sdpa_mask(batch_size=padding.shape[0], attention_mask=padding, q_length=padding.shape[1],
+                                  kv_length=padding.shape[1], mask_function=mask_function)
+
+    assert mask_for([[1, 1, 1], [1, 1, 0], [1, 0, 0]]) is None  # right padding
+    assert mask_for([[1, 1, 1], [0, 1, 1]]) is not None  # left padding (generation): a token would see padding
+    assert mask_for([[1, 0, 1]]) is not None  # a hole
+    keep_two = and_masks(causal_mask_function, lambda b, h, q, kv: kv < 2)  # a pattern beyond causal: kept
+    assert mask_for([[1, 1, 0]], keep_two) is not None
+
+
 def test_a_model_whose_attention_ignores_position_ids_stays_as_it_was(monkeypatch):
     m = model()
     # as an architecture that never hands position_ids to its attention layers
@@ -170,7 +217,8 @@ def test_dpo_turns_padding_free_on_where_attention_runs_per_sequence(tmp_path, a
     assert batch["input_ids"].shape[0] == (1 if expected else 4)
     attentions = {m.config._attn_implementation for m in t.held_models()}  # the policy and its reference copy
     assert len(t.held_models()) == 2
-    assert attentions == ({"plait_sdpa"} if attention == "sdpa" and given is not False else {attention})
+    # plait_sdpa with padded batches too: it attends them as sdpa does, right-padded ones without a mask
+    assert attentions == ({"plait_sdpa"} if attention == "sdpa" else {attention})
 
 
 @pytest.mark.parametrize("implementation, varlen", [

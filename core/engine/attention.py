@@ -30,7 +30,7 @@ from typing import NamedTuple, Sequence
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, sdpa_mask
 
 from .causal_attention import CausalAttention, pays
 from .logprobs import sequence_starts
@@ -171,10 +171,25 @@ def _attend_causally(module, query, key, value, prefix: int, **kwargs) -> torch.
     return attend(query, key, value)
 
 
+def _right_padded(attention_mask: torch.Tensor) -> bool:
+    """Does every row of a 2D padding mask hold its tokens before its padding (as training collators pad)?
+    Then causal attention without the mask gives every token what the mask gives it: a token's keys are the
+    ones before it, all tokens of its row; only padding positions see padding."""
+    if attention_mask.dim() != 2 or torch.compiler.is_compiling():  # reading the values would break a graph
+        return False
+    kept = attention_mask.bool()
+    return bool((kept[:, 1:] <= kept[:, :-1]).all())
+
+
 def sequence_sdpa_mask(*, attention_mask=None, q_length, kv_length, q_offset=0, kv_offset=0, config=None, **kwargs):
-    """No mask where the attention above needs none: no padding, no cache, no sliding window or
-    attention chunks (whose patterns only a mask carries). Everywhere else ``sdpa``'s mask."""
-    fresh = attention_mask is None and q_length == kv_length and not q_offset and not kv_offset
+    """No mask where the attention above needs none: no padding (or padding only after each row's tokens, under
+    a plain causal mask), no cache, no sliding window or attention chunks (whose patterns only a mask carries).
+    Everywhere else ``sdpa``'s mask. A batch padded on the right is then attended causally as if unpadded: the
+    same outputs at every token (a padding position's differ, and nothing reads them), in the kernels a
+    causal call takes (``is_causal``; a bf16 CPU run's backward in :mod:`plait.engine.causal_attention`)."""
+    unpadded = attention_mask is None or (kwargs.get("mask_function") is causal_mask_function
+                                          and _right_padded(attention_mask))
+    fresh = unpadded and q_length == kv_length and not q_offset and not kv_offset
     local = getattr(config, "sliding_window", None) is not None or getattr(config, "attention_chunk_size", None) is not None
     if fresh and not local:
         return None

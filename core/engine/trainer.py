@@ -271,10 +271,11 @@ class PlaitTrainer(Trainer):
         if wanted and images:
             raise PlaitError(f"{type(self).__name__}: padding_free=True cannot hold images (their inputs follow their "
                              "rows, plait.data.vision); set padding_free=False (or None to choose) and packing=False")
-        if wanted is False or images:
+        if images:
             return False
+        # plait_sdpa also when batches are padded: it attends an unpadded or right-padded batch causally, without a mask
         per_sequence = [packs_per_sequence(_bare(m)) for m in (self._policy, *self.held_models()) if _bare(m) is not None]
-        return bool(wanted) or all(per_sequence)
+        return wanted is not False and (bool(wanted) or all(per_sequence))
 
     def wants_prefix_sharing(self, args) -> bool | None:
         """Whether a padding-free batch of preference pairs computes each pair's prompt once
