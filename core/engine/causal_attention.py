@@ -3,8 +3,9 @@
 torch's CPU flash-attention backward runs bf16 far below the GEMM rate on short sequences: on SmolLM2's
 heads (9 query heads over 3 key/value heads, 64 wide) a batch of 4 × 512 tokens takes 23 ms a layer to
 differentiate (2.4 GFLOP of causal GEMMs: 0.1 TFLOP/s, where bf16 GEMMs of these shapes run at 2), its
-forward 4.5 ms, and 8 × 128 tokens take 13 ms (2-core Xeon with AMX, 2026-12-05). The math is four GEMMs and a softmax's backward (Dao et al. 2022, "FlashAttention",
-Algorithm 4, with the softmax recomputed rather than rebuilt from its log-sum-exp):
+forward 4.5 ms, and 8 × 128 tokens take 13 ms (2-core Xeon with AMX, 2026-12-05). The math is four GEMMs
+and a softmax's backward (Dao et al. 2022, "FlashAttention", Algorithm 4, with the softmax recomputed
+rather than rebuilt from its log-sum-exp):
 
     P = softmax(Q Kᵀ · scale + causal bias)      dV = Pᵀ dO      dP = dO Vᵀ
     dS = P ⊙ (dP − rowsum(dP ⊙ P))              dQ = dS K · scale      dK = dSᵀ Q · scale
