@@ -187,10 +187,10 @@ def sequence_sdpa_mask(*, attention_mask=None, q_length, kv_length, q_offset=0, 
     Everywhere else ``sdpa``'s mask. A batch padded on the right is then attended causally as if unpadded: the
     same outputs at every token (a padding position's differ, and nothing reads them), in the kernels a
     causal call takes (``is_causal``; a bf16 CPU run's backward in :mod:`plait.engine.causal_attention`)."""
-    fresh = q_length == kv_length and not q_offset and not kv_offset and (  # no cache; the mask read last
-        attention_mask is None or (kwargs.get("mask_function") is causal_mask_function and _right_padded(attention_mask)))
     local = getattr(config, "sliding_window", None) is not None or getattr(config, "attention_chunk_size", None) is not None
-    if fresh and not local:
+    fresh = q_length == kv_length and not q_offset and not kv_offset  # no cache
+    if fresh and not local and (attention_mask is None or (kwargs.get("mask_function") is causal_mask_function
+                                                            and _right_padded(attention_mask))):
         return None
     return sdpa_mask(attention_mask=attention_mask, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, config=config, **kwargs)
