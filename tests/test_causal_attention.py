@@ -4,10 +4,10 @@ definition, the forward left exactly as the caller's SDPA call, and a packed bf1
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from test_packed_attention import model as packed_attention_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait.engine import causal_attention
@@ -83,8 +83,6 @@ def test_the_forward_is_the_callers_own_call_bit_for_bit():
 
 
 # -- a packed bf16 model on plait_sdpa ------------------------------------------------------------------------------
-CONFIG = transformers.LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
 FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
@@ -94,8 +92,7 @@ def packed_bf16_gradients(blocked: bool, checkpointing: bool = False):
     from plait.engine.autocast import rotary_in_compute_dtype
     from plait.engine.checkpointing import ATTENTION_KERNELS, keep_attention
 
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIG, attn_implementation="sdpa").train()
+    model = packed_attention_model()  # test_packed_attention's small Llama, on sdpa
     assert packs_per_sequence(model)
     rotary_in_compute_dtype(model)  # as a plait run does: queries and keys stay bf16 through the rotation
     if checkpointing:

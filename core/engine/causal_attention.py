@@ -69,8 +69,8 @@ def causal_attention_backward(query, key, value, grad_output, scale: float):
     grouped_query = query.reshape(batch * kv_heads, groups, queries, dim)
     grouped_grad = grad_output.to(dtype).reshape(batch * kv_heads, groups, queries, dim)
     flat_key, flat_value = key.reshape(batch * kv_heads, keys, dim), value.reshape(batch * kv_heads, keys, dim)
-    hidden = torch.ones(queries, keys, dtype=torch.bool, device=query.device).triu(diagonal=offset + 1)
-    bias = torch.zeros(queries, keys, dtype=dtype, device=query.device).masked_fill_(hidden, float("-inf"))
+    # −inf where query i may not see key j > i + offset, 0 elsewhere
+    bias = torch.full((queries, keys), float("-inf"), dtype=dtype, device=query.device).triu_(diagonal=offset + 1)
     grad_query = torch.empty_like(grouped_query)
     grad_key = grad_value = None
     for start in reversed(range(0, queries, BLOCK_ROWS)):  # the last block sees every key: it sets dK, dV
