@@ -87,6 +87,17 @@ def test_values_are_typed_by_the_field_they_name():
     assert isinstance(values["save_strategy"], str) and isinstance(values["learning_rate"], float)
 
 
+def test_one_value_for_a_field_that_takes_a_list_is_a_list_of_one():
+    from plait import GRPOConfig
+
+    values = override_values(parse_overrides(["--rollout_filters", "zero_variance", "--reward_funcs", "accuracy"]),
+                             GRPOConfig, "plait grpo")
+    assert values == {"rollout_filters": ["zero_variance"], "reward_funcs": "accuracy"}
+    values = override_values(parse_overrides(["--rollout_filters", "zero_variance", "{name: accuracy_band, low: 0.2}"]),
+                             GRPOConfig, "plait grpo")
+    assert values == {"rollout_filters": ["zero_variance", {"name": "accuracy_band", "low": 0.2}]}
+
+
 def test_command_line_overrides_the_recipe(recipe, data_file, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = load_recipe(recipe, {"beta": 0.5, "model": "~/other", "peft.r": 4}, method="dpo")

@@ -205,6 +205,8 @@ def _typed(tokens: list[str], annotation: Any = None) -> Any:
 
     When YAML's reading does not fit the field but the plain text does, the text wins:
     ``--save_strategy no`` is the string 'no' (YAML 1.1 would say False), ``--run_name 7`` is '7'.
+    One token for a field that takes only a list is a list of one, as argparse's ``nargs="+"``
+    gives: ``--rollout_filters zero_variance`` is ``[zero_variance]``.
     """
     if not tokens:
         return True
@@ -217,9 +219,10 @@ def _typed(tokens: list[str], annotation: Any = None) -> Any:
 
     values = [read(token) for token in tokens]
     value, raw = (values[0], tokens[0]) if len(tokens) == 1 else (values, list(tokens))
-    if annotation is not None and not _fits(annotation, value) and _fits(annotation, raw):
-        return raw
-    return value
+    if annotation is None or _fits(annotation, value):
+        return value
+    readings = (raw, [value], [raw]) if len(tokens) == 1 else (raw,)
+    return next((reading for reading in readings if _fits(annotation, reading)), value)
 
 
 def _fits(annotation: Any, value: Any) -> bool:
