@@ -230,8 +230,10 @@ class AliveLogits(TorchDispatchMode):
         return out
 
 
-def peak_logits_bytes(positions: int, chunk: int) -> int:
+def peak_logits_bytes(positions: int, chunk: int, autograd_chain: bool = False) -> int:
     model = tiny_llama(3)
+    if autograd_chain:  # a hook on the output layer keeps the generic path (projection, log-softmax, gather)
+        model.lm_head.register_forward_pre_hook(lambda module, args: None)
     ids = torch.randint(0, VOCAB, (1, positions + 1), generator=torch.Generator().manual_seed(0))
     with AliveLogits() as alive:
         token_logprobs(model, ids, chunk_size=chunk).logps.sum().backward()
@@ -241,9 +243,23 @@ def peak_logits_bytes(positions: int, chunk: int) -> int:
 def test_keeping_the_last_chunks_graph_costs_no_peak_memory():
     # Three chunks (the last one's graph kept from forward to backward, the others recomputed)
     # peak at what one chunk alone does: the backward frees the kept graph before recomputing.
-    one = peak_logits_bytes(8, chunk=8)
-    assert one > 0 and peak_logits_bytes(24, chunk=8) == one
-    assert peak_logits_bytes(24, chunk=24) == 3 * one  # the counter sees a larger chunk
+    one = peak_logits_bytes(8, chunk=8, autograd_chain=True)
+    assert one > 0 and peak_logits_bytes(24, chunk=8, autograd_chain=True) == one
+    assert peak_logits_bytes(24, chunk=24, autograd_chain=True) == 3 * one  # the counter sees a larger chunk
+
+
+def test_head_statistics_hold_one_chunk_of_logits_at_a_time():
+    # HeadStatistics (a plain linear output layer on a CPU) projects every chunk into one reused [chunk, V]
+    # buffer, forward and backward, and works out its softmax a block of ROW_BLOCK rows at a time: beside
+    # the model's own one-position logits, one chunk and one block are alive, whatever the positions.
+    from plait.engine.head_statistics import ROW_BLOCK
+
+    def expected(chunk: int) -> int:
+        return (1 + chunk + min(chunk, ROW_BLOCK)) * VOCAB * 4
+
+    assert peak_logits_bytes(8, chunk=8) == peak_logits_bytes(24, chunk=8) == peak_logits_bytes(48, chunk=8) == expected(8)
+    assert peak_logits_bytes(24, chunk=24) == expected(24)
+    assert expected(8) < peak_logits_bytes(8, chunk=8, autograd_chain=True)
 
 
 @FEW
@@ -423,9 +439,12 @@ def bf16_prepared(model):
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def test_under_bf16_autocast_chunked_equals_the_models_own_logits_in_values_and_gradients():
+@pytest.mark.parametrize("autograd_chain", [True, False], ids=["autograd-chain", "head-statistics"])
+def test_under_bf16_autocast_chunked_equals_the_models_own_logits_in_values_and_gradients(autograd_chain):
     # Large logits and a batch of 8: the head check once compared an fp32 projection with the
-    # model's bf16 logits and refused ("output differs from the model's logits").
+    # model's bf16 logits and refused ("output differs from the model's logits"). Both the autograd chain
+    # (kept by a hook on the output layer) and HeadStatistics run the plain path's float32 log-softmax on
+    # the same bf16 logits, so the values are the same bits.
     ids = torch.randint(0, VOCAB, (8, 16), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     results = []
@@ -434,6 +453,8 @@ def test_under_bf16_autocast_chunked_equals_the_models_own_logits_in_values_and_
         with torch.no_grad():
             model.lm_head.weight.mul_(8.0)
         model = bf16_prepared(model)
+        if autograd_chain:
+            model.lm_head.register_forward_pre_hook(lambda module, args: None)
         out = all_stats(model, ids, mask, chunked=chunked, chunk_size=24)
         results.append((out, grads(model, weighted_sum(out, mask))))
     (chunked_out, chunked_grads), (plain_out, plain_grads) = results
