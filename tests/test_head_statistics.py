@@ -143,3 +143,20 @@ def test_lora_below_the_head_still_trains_through_it(monkeypatch):
     logprobs.token_logprobs(model, ids, chunk_size=5).logps.sum().backward()
     trained = {name for name, p in model.named_parameters() if p.grad is not None}
     assert calls and trained and all("lora_" in name for name in trained)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_float32_gradients_are_the_autograd_chains_bits(temperature):
+    # The same log-softmax backward on the same gradient: a float32 run trains to the same weights through
+    # HeadStatistics as through the chain (FSDP2's sharded head keeps the chain, DDP's plain head takes this).
+    ids = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for autograd_chain in (True, False):
+        model = tiny_llama(5)
+        if autograd_chain:
+            model.lm_head.register_forward_pre_hook(lambda module, args: None)
+        out = logprobs.token_logprobs(model, ids, chunk_size=7, temperature=temperature, with_logit_mean=True)
+        (out.logps.sum() * 0.3 + out.logit_mean.sum() * 0.1).backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        assert torch.equal(grads[1][name], grad), name

@@ -250,16 +250,14 @@ def test_keeping_the_last_chunks_graph_costs_no_peak_memory():
 
 def test_head_statistics_hold_one_chunk_of_logits_at_a_time():
     # HeadStatistics (a plain linear output layer on a CPU) projects every chunk into one reused [chunk, V]
-    # buffer, forward and backward, and works out its softmax a block of ROW_BLOCK rows at a time: beside
-    # the model's own one-position logits, one chunk and one block are alive, whatever the positions.
+    # buffer, forward and backward, and works out its softmax a block of ROW_BLOCK rows at a time (at most
+    # three block-sized tensors: log p, its gradient, the logits' gradient): beside the model's own
+    # one-position logits that is all, whatever the positions, and less than the chain's chunk graph.
     from plait.engine.head_statistics import ROW_BLOCK
 
-    def expected(chunk: int) -> int:
-        return (1 + chunk + min(chunk, ROW_BLOCK)) * VOCAB * 4
-
-    assert peak_logits_bytes(8, chunk=8) == peak_logits_bytes(24, chunk=8) == peak_logits_bytes(48, chunk=8) == expected(8)
-    assert peak_logits_bytes(24, chunk=24) == expected(24)
-    assert expected(8) < peak_logits_bytes(8, chunk=8, autograd_chain=True)
+    assert peak_logits_bytes(8, chunk=8) == peak_logits_bytes(24, chunk=8) == peak_logits_bytes(48, chunk=8)
+    assert peak_logits_bytes(96, chunk=48) <= (1 + 48 + 3 * ROW_BLOCK) * VOCAB * 4
+    assert peak_logits_bytes(96, chunk=48) < peak_logits_bytes(96, chunk=48, autograd_chain=True)
 
 
 @FEW

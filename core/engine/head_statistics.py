@@ -22,12 +22,13 @@ chunk's logits for the backward; the others are projected again there, as the ch
 
 The projections and their gradients are the chain's GEMMs in the chain's dtype (the autocast's, or the
 weights' own without autocast), the weight gradient summed chunk by chunk in the weight's dtype as
-autograd's accumulation does, and the log-probs, entropies and logit means are the same float32 bits (the
-same log-softmax on the same rows). Gradients differ by float32 rounding: softmax(z) here, exp(log-softmax)
-there. One-layer Llama with SmolLM2's widths, ``token_logprobs`` forward and backward at 4 × 512 tokens,
-bf16 (``benchmarks/head_statistics.py``, 2-core Xeon with AMX, medians of 7): SFT (every position)
-1,099 → 808 ms, DPO (completion halves) 507 → 446, GRPO (128-token completions, entropy) 365 → 313;
-float32 1.02–1.07×.
+autograd's accumulation does, the log-probs, entropies and logit means the same float32 bits (the same
+log-softmax on the same rows), and so are the gradients by the logits (the same log-softmax backward on the
+same gradient) unless the entropy has a gradient: a float32 run trains to the same weights either way.
+One-layer Llama with SmolLM2's widths, ``token_logprobs`` forward and backward at 4 × 512 tokens, bf16
+(``benchmarks/head_statistics.py``, 2-core Xeon with AMX, medians of 7): SFT (every position)
+1,171 → 875 ms, DPO (completion halves) 517 → 464, GRPO (128-token completions, entropy) 368 → 326;
+float32 1.00–1.08×.
 """
 
 from __future__ import annotations
@@ -129,24 +130,20 @@ def _tempered(x: Tensor, temperature: float) -> Tensor:
 
 def _logit_gradient(z: Tensor, targets: Tensor, temperature: float, g_logp: Tensor | None,
                     g_entropy: tuple[Tensor, Tensor] | None, g_mean: Tensor | None) -> Tensor:
-    """∂/∂logits of Σ g_logp·log p(t) + g_H·H + g_mean·mean(logits) for tempered logits z [n, V] (float32,
-    overwritten): (g_logp·onehot(t) − p ⊙ (g_logp + g_H (log p + H)))/τ + g_mean/V."""
+    """∂/∂logits of Σ g_logp·log p(t) + g_H·H + g_mean·mean(logits) for tempered logits z [n, V]: what autograd
+    gives the chain, by the same kernels in the same order (the same float32 bits without an entropy term):
+    the gradient by log p (g_logp at the target; −g_H·(log p·p + p) from H = −Σ p log p), then the log-softmax's
+    backward (gradient − p·Σ gradient), over τ, plus g_mean/V."""
+    log_p = z.log_softmax(-1)
     if g_entropy is None:
-        grad = z.softmax(-1)
-        if g_logp is not None:
-            grad.mul_(-g_logp[:, None])
-        else:
-            grad.zero_()
+        by_log_p = torch.zeros_like(log_p)
     else:
         g_H, H = g_entropy
-        log_p = z.log_softmax(-1)
-        factor = (log_p + H[:, None]).mul_(g_H[:, None])
-        if g_logp is not None:
-            factor.add_(g_logp[:, None])
-        grad = log_p.exp_().mul_(factor).neg_()
+        p = log_p.exp()
+        by_log_p = (log_p * -g_H[:, None]).mul_(p).add_(p * -g_H[:, None])
     if g_logp is not None:
-        at = (torch.arange(z.shape[0], device=z.device), targets)
-        grad.index_put_(at, g_logp, accumulate=True)
+        by_log_p.index_put_((torch.arange(z.shape[0], device=z.device), targets), g_logp, accumulate=True)
+    grad = torch.ops.aten._log_softmax_backward_data(by_log_p, log_p, -1, log_p.dtype)
     if temperature != 1.0:
         grad.div_(temperature)
     if g_mean is not None:
