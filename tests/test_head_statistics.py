@@ -160,3 +160,13 @@ def test_float32_gradients_are_the_autograd_chains_bits(temperature):
         grads.append({name: p.grad for name, p in model.named_parameters()})
     for name, grad in grads[0].items():
         assert torch.equal(grads[1][name], grad), name
+
+
+def test_a_retained_graph_differentiates_again_to_the_same_gradients():
+    hidden = torch.randn(9, 8, requires_grad=True)
+    weight = torch.randn(40, 8, requires_grad=True)
+    logp = HeadStatistics.apply(hidden, weight, None, torch.arange(9), torch.float32, 1.0, 4, False, False, False)[0]
+    first = torch.autograd.grad(logp.sum(), [hidden, weight], retain_graph=True)
+    again = torch.autograd.grad(logp.sum(), [hidden, weight])
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)

@@ -67,7 +67,7 @@ class HeadStatistics(torch.autograd.Function):
                                        entropy[block] if with_entropy else None)
             projection.keep_last_chunk()
         ctx.save_for_backward(hidden, weight, bias, targets, entropy)
-        ctx.projection, ctx.temperature = projection, temperature
+        ctx.projection, ctx.settings = projection, (dtype, temperature, chunk)
         ctx.mark_non_differentiable(argmax)
         ctx.set_materialize_grads(False)
         return logp, entropy, mean, argmax
@@ -76,8 +76,9 @@ class HeadStatistics(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logp, grad_entropy, grad_mean, _):
         hidden, weight, bias, targets, entropy = ctx.saved_tensors
-        projection, temperature = ctx.projection, ctx.temperature
-        ctx.projection = None  # its buffers go with this backward
+        dtype, temperature, chunk = ctx.settings
+        # the forward's buffers go with this backward (a graph kept for another backward projects afresh)
+        projection, ctx.projection = ctx.projection or _Projection(weight, bias, dtype, chunk, hidden.shape[0]), None
         if grad_logp is None and grad_entropy is None and grad_mean is None:
             return (None,) * 10
         with torch.autocast(hidden.device.type, enabled=False):
