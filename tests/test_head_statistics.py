@@ -10,10 +10,11 @@ import torch
 from hypothesis import given, settings
 
 from plait.engine import logprobs
-from plait.engine.head_statistics import HeadStatistics
+from plait.engine.head_statistics import HeadStatistics, Statistics
 from test_logprobs import VOCAB, tiny_llama
 
 FEW = settings(max_examples=40, deadline=None)
+LOGP_ONLY = Statistics(1.0, with_entropy=False, with_logit_mean=False)
 
 
 def definition(hidden, weight, bias, targets, temperature):
@@ -45,8 +46,8 @@ def test_float32_values_and_gradients_equal_the_definition(case):
     expected = definition(*leaves[:2], bias, targets, temperature)
     ours_leaves = [t.float().requires_grad_() for t in leaves]
     ours_bias = ours_leaves[2] if with_bias else None
-    ours = HeadStatistics.apply(ours_leaves[0], ours_leaves[1], ours_bias, targets, torch.float32, temperature, chunk,
-                                True, True, True)
+    ours = HeadStatistics.apply(ours_leaves[0], ours_leaves[1], ours_bias, targets, torch.float32, chunk,
+                                Statistics(temperature, with_entropy=True, with_logit_mean=True, with_argmax=True))
     for name, mine, theirs in zip(("logp", "entropy", "mean"), ours, expected):
         torch.testing.assert_close(mine.double(), theirs, rtol=1e-5, atol=1e-5, msg=name)
     assert torch.equal(ours[3].long(), expected[3].long())  # first of tied maxima, like argmax
@@ -84,7 +85,8 @@ def test_bf16_matches_the_autograd_chain_chunk_for_chunk(temperature):
 
     expected = chain()
     expected_grads = torch.autograd.grad(sum((v * c).sum() for v, c in zip(expected, coefficients)), [hidden, weight])
-    ours = HeadStatistics.apply(hidden, weight, None, targets, torch.bfloat16, temperature, chunk, True, False, False)
+    ours = HeadStatistics.apply(hidden, weight, None, targets, torch.bfloat16, chunk,
+                                Statistics(temperature, with_entropy=True, with_logit_mean=False))
     ours_grads = torch.autograd.grad(sum((v * c).sum() for v, c in zip(ours[:2], coefficients)), [hidden, weight])
     for mine, theirs in zip(ours[:2], expected):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
@@ -95,11 +97,11 @@ def test_bf16_matches_the_autograd_chain_chunk_for_chunk(temperature):
 def test_a_frozen_weight_gets_no_gradient_and_no_positions_give_empty_values():
     weight = torch.randn(30, 8)
     hidden = torch.randn(0, 8, requires_grad=True)
-    out = HeadStatistics.apply(hidden, weight, None, torch.zeros(0, dtype=torch.long), torch.float32, 1.0, 4,
-                               False, False, True)
-    assert [tuple(v.shape) for v in out] == [(0,), (0,), (0,), (0,)]
+    out = HeadStatistics.apply(hidden, weight, None, torch.zeros(0, dtype=torch.long), torch.float32, 4,
+                               Statistics(1.0, with_entropy=False, with_logit_mean=False, with_argmax=True))
+    assert [tuple(v.shape) for v in out] == [(0,), (0,)]  # log-prob and argmax
     hidden = torch.randn(5, 8, requires_grad=True)
-    logp = HeadStatistics.apply(hidden, weight, None, torch.arange(5), torch.float32, 1.0, 2, False, False, False)[0]
+    logp = HeadStatistics.apply(hidden, weight, None, torch.arange(5), torch.float32, 2, LOGP_ONLY)[0]
     (grad,) = torch.autograd.grad(logp.sum(), [hidden])
     assert grad.shape == hidden.shape and torch.isfinite(grad).all()
 
@@ -165,7 +167,7 @@ def test_float32_gradients_are_the_autograd_chains_bits(temperature):
 def test_a_retained_graph_differentiates_again_to_the_same_gradients():
     hidden = torch.randn(9, 8, requires_grad=True)
     weight = torch.randn(40, 8, requires_grad=True)
-    logp = HeadStatistics.apply(hidden, weight, None, torch.arange(9), torch.float32, 1.0, 4, False, False, False)[0]
+    logp = HeadStatistics.apply(hidden, weight, None, torch.arange(9), torch.float32, 4, LOGP_ONLY)[0]
     first = torch.autograd.grad(logp.sum(), [hidden, weight], retain_graph=True)
     again = torch.autograd.grad(logp.sum(), [hidden, weight])
     for a, b in zip(first, again):

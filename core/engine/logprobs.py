@@ -38,7 +38,7 @@ from accelerate.utils import extract_model_from_parallel
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from plait.engine.head_statistics import HeadStatistics
+from plait.engine.head_statistics import HeadStatistics, Statistics
 from plait.errors import PlaitError
 
 __all__ = ["TokenLogprobs", "compare_distributions", "default_chunk_size", "fp32_projection", "sequence_starts",
@@ -120,7 +120,7 @@ def token_logprobs(
     B, T = input_ids.shape
     # Position t predicts token t+1; the last position of each row predicts nothing (target 0).
     targets = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1).reshape(-1)
-    stats = _Stats(temperature, with_entropy, with_logit_mean, with_argmax, with_collision)
+    stats = Statistics(temperature, with_entropy, with_logit_mean, with_argmax, with_collision)
 
     # the positions to project: position p predicts token p + 1
     rows = None if select is None else _predictors(select.to(input_ids.device).bool(), input_ids.shape)
@@ -272,34 +272,6 @@ def _forward_kwargs(attention_mask, position_ids, model_kwargs) -> dict:
     return forward_kwargs
 
 
-@attrs.frozen
-class _Stats:
-    """From fp32 logits [N, V] and targets [N]: (logp, entropy?, logit mean?, argmax?, collision?) each [N]."""
-
-    temperature: float
-    with_entropy: bool
-    with_logit_mean: bool
-    with_argmax: bool = False
-    with_collision: bool = False
-
-    def __call__(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, ...]:
-        mean = logits.mean(-1) if self.with_logit_mean else None
-        z = logits / self.temperature if self.temperature != 1.0 else logits
-        logp_all = z.log_softmax(-1)
-        out = [logp_all.gather(-1, targets[:, None]).squeeze(-1)]
-        if self.with_entropy:
-            out.append(-(logp_all.exp() * logp_all).sum(-1))
-        if mean is not None:
-            out.append(mean)
-        if self.with_argmax:  # as float so every statistic shares one tensor type; ids < 2**24 are exact
-            # max's indices: argmax's (the first of tied maxima), in half its time on CPU (22 against 42 ms
-            # for 682 x 49,152 fp32 logits on a 2-core Xeon)
-            out.append(logits.max(-1).indices.float())
-        if self.with_collision:
-            out.append(torch.logsumexp(2 * logp_all, dim=-1))
-        return tuple(out)
-
-
 # Output layers already checked to reproduce the model's own logits (see _check_head).
 _checked_heads: weakref.WeakSet = weakref.WeakSet()
 
@@ -415,7 +387,7 @@ def _predictors(select: Tensor, shape: torch.Size) -> Tensor:
     return torch.cat([select[:, 1:], torch.zeros_like(select[:, :1])], dim=1).reshape(-1)
 
 
-def _chunked(model, input_ids, forward_kwargs, targets, stats: _Stats, chunk_size,
+def _chunked(model, input_ids, forward_kwargs, targets, stats: Statistics, chunk_size,
              fp32_head: bool = False, rows: Tensor | None = None) -> tuple[Tensor, ...]:
     hidden, head, project, output, linear_dtype = _final_hidden(model, input_ids, forward_kwargs, fp32_head)
     flat = _own_positions(hidden, input_ids).reshape(-1, hidden.shape[-1])
@@ -424,10 +396,7 @@ def _chunked(model, input_ids, forward_kwargs, targets, stats: _Stats, chunk_siz
     size = chunk_size or default_chunk_size(getattr(head, "out_features", None) or output.logits.shape[-1])
 
     if linear_dtype is not None and not stats.with_collision:
-        values = HeadStatistics.apply(flat, head.weight, head.bias, targets, linear_dtype, stats.temperature, size,
-                                      stats.with_entropy, stats.with_logit_mean, stats.with_argmax)
-        wanted = (True, stats.with_entropy, stats.with_logit_mean, stats.with_argmax)
-        values = tuple(value for value, keep in zip(values, wanted) if keep)
+        values = HeadStatistics.apply(flat, head.weight, head.bias, targets, linear_dtype, size, stats)
     else:
         def chunk_stats(h: Tensor, t: Tensor) -> tuple[Tensor, ...]:
             return stats(project(h).float(), t)
