@@ -151,3 +151,66 @@ def test_default_kwargs_keep_attention_and_the_users_choice_stands(tmp_path):
         config(activation_checkpointing_kwargs={"use_reentrant": True, "context_fn": noop_context_fn})
     with pytest.raises(PlaitError, match="context_fn=3 is not callable"):
         config(activation_checkpointing_kwargs={"context_fn": 3})
+
+
+def bf16_layer_gradients(context_fn, second_backward: bool = False) -> tuple[int, dict[str, torch.Tensor]]:
+    """A bf16-autocast forward and backward of the tiny model on plait_sdpa (attention differentiated by plait's
+    CausalAttention) with every layer checkpointed under ``context_fn``: attention forwards run, and the gradients."""
+    from transformers import AutoModelForCausalLM
+
+    from plait.data.versions import enable_checkpointing
+    from plait.engine import causal_attention
+    from plait.engine.attention import packs_per_sequence
+    from plait.engine.autocast import rotary_in_compute_dtype
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path()), attn_implementation="sdpa").train()
+    assert packs_per_sequence(model)  # on plait_sdpa, as a run puts it
+    rotary_in_compute_dtype(model)  # so queries stay bf16, as in a run
+    enable_checkpointing(model, {"use_reentrant": False, "context_fn": context_fn})
+    ids = torch.randint(5, 900, (3, 24), generator=torch.Generator().manual_seed(0))
+    forwards = []
+    with pytest.MonkeyPatch.context() as patch, torch.autocast("cpu", dtype=torch.bfloat16):
+        apply = causal_attention.CausalAttention.apply
+
+        def counting(query, key, value, scale, attend):
+            return apply(query, key, value, scale, lambda *qkv: forwards.append(1) or attend(*qkv))
+
+        patch.setattr(causal_attention.CausalAttention, "apply", counting)
+        loss = model(input_ids=ids, use_cache=False).logits.float().pow(2).mean()
+        loss.backward(retain_graph=second_backward)
+        if second_backward:
+            loss.backward()
+    return len(forwards), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_under_cpu_autocast_attention_keeps_its_own_outputs_with_the_same_gradients():
+    """keep_attention under bf16 autocast on a CPU: CausalAttention keeps its outputs for the recompute (no
+    dispatch mode), so attention runs once a layer, and every gradient is the dispatch mode's bit for bit."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts, noop_context_fn
+
+    from plait.engine.checkpointing import _save_attention, keep_attention
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not any(isinstance(context, TorchDispatchMode) for context in keep_attention())
+    assert all(isinstance(context, TorchDispatchMode) for context in keep_attention())  # float32: torch's
+    layers = AutoConfig.from_pretrained(str(tiny_model_path())).num_hidden_layers
+    kept_forwards, kept = bf16_layer_gradients(keep_attention)
+    sac_forwards, sac = bf16_layer_gradients(lambda: create_selective_checkpoint_contexts(_save_attention))
+    full_forwards, full = bf16_layer_gradients(noop_context_fn)
+    assert kept_forwards == layers and full_forwards == 2 * layers
+    assert sac_forwards == 2 * layers  # the Function's attend runs; torch's mode hands back the kernel's output
+    for name, grad in full.items():
+        assert torch.equal(kept[name], grad) and torch.equal(sac[name], grad), name
+
+
+def test_a_retained_graphs_second_backward_computes_attention_afresh():
+    from torch.utils.checkpoint import noop_context_fn
+
+    from plait.engine.checkpointing import keep_attention
+
+    layers = AutoConfig.from_pretrained(str(tiny_model_path())).num_hidden_layers
+    kept_forwards, kept = bf16_layer_gradients(keep_attention, second_backward=True)
+    _, full = bf16_layer_gradients(noop_context_fn, second_backward=True)
+    assert kept_forwards == 2 * layers  # the forward's, then the second recompute's (the first reused them)
+    for name, grad in full.items():
+        assert torch.equal(kept[name], grad), name
