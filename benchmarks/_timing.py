@@ -1,8 +1,24 @@
-"""Shared by the benchmarks: time a plait Trainer's optimizer steps on one fixed collated batch."""
+"""Shared by the benchmarks: time a plait Trainer's optimizer steps on one fixed collated batch; time variants
+of one piece of work against each other."""
 
 from __future__ import annotations
 
 import time
+from typing import Callable, TypeVar
+
+Variant = TypeVar("Variant")
+
+
+def alternated_seconds(variants: dict[str, Variant], step: Callable[[Variant], float], repeats: int) -> dict[str, list[float]]:
+    """Each variant's ``step(variant)`` seconds: one warm-up call each, then ``repeats`` rounds taking the variants in
+    turn, so load that comes and goes on a shared machine hits them alike."""
+    for variant in variants.values():
+        step(variant)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, variant in variants.items():
+            times[name].append(step(variant))
+    return times
 
 
 def seconds_per_step(trainer, fixed_batch: dict, batch_size: int, steps: int) -> float:

@@ -19,6 +19,8 @@ import statistics
 import time
 from pathlib import Path
 
+from _timing import alternated_seconds  # benchmarks/ is on sys.path: these run as scripts
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "attention_backward.json"
 # (batch, query length, prefix): SFT's 4 × 512, short rows, long ones, a reward model's rejected branch
@@ -68,12 +70,7 @@ def main() -> None:
                 torch.autograd.grad(run(), (query, key, value), grad)
                 return time.perf_counter() - start
 
-            times = {name: [] for name in variants}
-            for run in variants.values():
-                step(run)
-            for _ in range(options.repeats):
-                for name, run in variants.items():
-                    times[name].append(step(run))
+            times = alternated_seconds(variants, step, options.repeats)
             median = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
             rows.append({"dtype": str(dtype).removeprefix("torch."), "batch": batch, "queries": queries, "prefix": prefix,
                          "sdpa_ms": median["sdpa"], "blocked_ms": median["blocked"],

@@ -20,6 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
+from _timing import alternated_seconds  # benchmarks/ is on sys.path: these run as scripts
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "head_statistics.json"
 BATCH, LENGTH, HIDDEN, VOCAB = 4, 512, 576, 49_152
@@ -65,12 +67,7 @@ def main() -> None:
                 loss.backward()
                 return time.perf_counter() - start
 
-            times = {name: [] for name in models}
-            for model in models.values():
-                step(model)
-            for _ in range(options.repeats):
-                for name, model in models.items():
-                    times[name].append(step(model))
+            times = alternated_seconds(models, step, options.repeats)
             median = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
             rows.append({"dtype": str(dtype).removeprefix("torch."), "case": case, **{f"{k} ms": v for k, v in median.items()},
                          "speedup": median["autograd chain"] / median["head statistics"]})

@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from _timing import alternated_seconds  # benchmarks/ is on sys.path: these run as scripts
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "step_parts.json"
 
@@ -73,12 +75,7 @@ def main() -> None:
         m.zero_grad(set_to_none=True)
         return seconds
 
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for rotary_bf16 in variants.values():  # warm-up
-        step(rotary_bf16)
-    for _ in range(options.repeats):
-        for name, rotary_bf16 in variants.items():
-            times[name].append(step(rotary_bf16))
+    times = alternated_seconds(variants, step, options.repeats)
     median = {name: statistics.median(ts) for name, ts in times.items()}
     ratios = {"rotary_bf16": median["bf16"] / median["bf16 + rotary_bf16"]}
     result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_bf16_support()[1], "cores": os.cpu_count(),
