@@ -111,9 +111,10 @@ class HeadStatistics(torch.autograd.Function):
         grad_mean = next(grads) if statistics.with_logit_mean else None
         temperature = statistics.temperature
         # the forward's buffers go with this backward (a graph kept for another backward projects afresh)
-        projection, ctx.projection = ctx.projection or _Projection(weight, bias, dtype, chunk, hidden.shape[0]), None
+        projection, ctx.projection = ctx.projection, None
         if grad_logp is None and grad_entropy is None and grad_mean is None:
             return (None,) * 7
+        projection = projection or _Projection(weight, bias, dtype, chunk, hidden.shape[0])
         with torch.autocast(hidden.device.type, enabled=False):
             grad_hidden = torch.empty_like(hidden, dtype=projection.weight.dtype) if ctx.needs_input_grad[0] else None
             grad_weight = None
