@@ -57,6 +57,7 @@ from .models import (
 from .objective import Objective
 from .processes import leave_process_group_at_exit, shard_on_cpu
 from .redact import masked
+from .rms_norm import closed_form_rms_norms
 from .run_folder import config_fields, json_value
 
 logger = logging.getLogger("plait")
@@ -159,6 +160,7 @@ class PlaitTrainer(Trainer):
                     disable_dropout(module)
             for module in (model, *self.held_models()):  # acts only under autocast (bf16/fp16 runs)
                 rotary_in_compute_dtype(module)
+            closed_form_rms_norms(model)  # a CPU's float32 norms differentiated in half autograd's passes
             self._policy = model  # the model before accelerate wraps it; datasets may need it (cached reference)
             self.padding_free = self._padding_free(args, processing_class)
             self.prefix_sharing = self._prefix_sharing(args)

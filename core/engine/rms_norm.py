@@ -1,0 +1,125 @@
+"""A decoder's RMSNorm differentiated by its closed-form gradient on a CPU, in half the passes autograd takes.
+
+RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", eq. 4; transformers' Llama form,
+over the hidden size H):
+
+    r = 1 / sqrt(mean(x²) + ε)      x̂ = x · r      y = w ⊙ x̂
+
+Its gradient, written out (g = ∂L/∂y; the mean runs over H, the sum over tokens):
+
+    g_x̂ = g ⊙ w      g_x = r · (g_x̂ − x̂ · mean(g_x̂ ⊙ x̂))      g_w = Σ g ⊙ x̂
+
+Autograd differentiates the forward's six ops one by one (the square's, the mean's, the reciprocal root's,
+the two products' and the sum of x's two paths), a dozen passes over the float32 residual stream of which
+most write a tensor as large as it; the formula above takes seven. Under gradient checkpointing every norm
+is differentiated once a step, two a layer: on SmolLM2-135M (4 × 512 tokens, a 2-core Xeon with AMX,
+2026-12-05) one norm's backward takes 3.4 ms by autograd and 1.5 ms by the formula (docs/benchmarks.md).
+
+:func:`closed_form_rms_norms` makes each RMSNorm of a model whose own forward computes exactly this (checked
+on a probe, bit for bit, so a Gemma-style ``1 + w`` gain or any other norm keeps its own) an instance of a
+subclass whose forward runs :class:`ClosedFormRMSNorm` for a float32 input on a CPU that a backward will
+differentiate. Its forward is
+transformers' ops in transformers' order, so every output is the same number; the gradient is the formula's,
+which rounds differently from autograd's chain: within 1e-7 of it, relative to its largest element. Anything
+else (a bf16 input, whose x̂ transformers rounds to bf16 before the gain; another device; no gradient) runs
+the module's own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ClosedFormRMSNorm", "closed_form_rms_norms"]
+
+
+def _normalise(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w ⊙ x̂, r) for a float32 ``x``: transformers' LlamaRMSNorm ops in its order, so the same numbers."""
+    inverse_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x * inverse_rms), inverse_rms
+
+
+class ClosedFormRMSNorm(torch.autograd.Function):
+    """``ClosedFormRMSNorm.apply(x, weight, eps)``: RMSNorm over the last dimension of a float32 ``x``,
+    differentiated by the closed form in the module docstring. It keeps x and r for the backward (autograd's
+    chain keeps x̂ as well)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        output, inverse_rms = _normalise(x, weight, eps)
+        ctx.save_for_backward(x, weight, inverse_rms)
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output: torch.Tensor):
+        x, weight, inverse_rms = ctx.saved_tensors
+        grad_output = grad_output.float()
+        x_hat = x * inverse_rms
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad_output * x_hat).flatten(0, -2).sum(0).to(weight.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x_hat = grad_output * weight
+            # r · (g_x̂ − x̂ · mean(g_x̂ ⊙ x̂)) as r·g_x̂ − x̂ · (r · mean): two passes where the three-term form takes three
+            mean = torch.linalg.vecdot(grad_x_hat, x_hat).unsqueeze(-1).div_(x.shape[-1])
+            grad_x = torch.addcmul(grad_x_hat.mul_(inverse_rms), x_hat, mean.mul_(inverse_rms), value=-1)
+        return grad_x, grad_weight, None
+
+
+def _closed_form_class(norm_class: type) -> type:
+    """``norm_class`` with a forward that runs :class:`ClosedFormRMSNorm` for a float32 input on a CPU that a
+    backward will differentiate, and ``norm_class``'s own forward otherwise. A subclass rather than an instance's
+    forward: transformers' ``train()`` (through the ``kernels`` package) drops every instance forward of a norm
+    it may swap for a hub kernel; a subclass keeps its forward, and a hub kernel the user maps still takes over."""
+    if norm_class in _CLASSES:
+        return _CLASSES[norm_class]
+    name = f"ClosedForm{norm_class.__name__}"
+    while name in globals():  # another module's norm of the same name
+        name += "_"
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (hidden_states.device.type == "cpu" and hidden_states.dtype == torch.float32
+                and weight.dtype == torch.float32 and torch.is_grad_enabled()
+                and (hidden_states.requires_grad or weight.requires_grad)):
+            return ClosedFormRMSNorm.apply(hidden_states, weight, self.variance_epsilon)
+        return norm_class.forward(self, hidden_states)
+
+    closed = type(name, (norm_class,), {"forward": forward, "_plait_closed_form": True, "__module__": __name__,
+                                        "__qualname__": name})
+    _CLASSES[norm_class] = globals()[name] = closed  # by name in this module, so a pickled model finds it
+    return closed
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _computes_the_formula(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s own forward gives :func:`_normalise`'s output, bit for bit, on a float32 probe."""
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if (not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or not weight.numel()
+            or weight.is_meta or weight.dtype != torch.float32 or not isinstance(eps, float)):
+        return False
+    probe = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device)
+    with torch.no_grad():
+        try:
+            own = type(module).forward(module, probe)
+        except Exception:  # noqa: BLE001 -- a norm that takes other arguments is not this one
+            return False
+        expected, _ = _normalise(probe, weight, eps)
+    return torch.is_tensor(own) and own.dtype == expected.dtype and torch.equal(own, expected)
+
+
+def closed_form_rms_norms(model: torch.nn.Module) -> int:
+    """Make every RMSNorm of ``model`` (a module whose class name ends in ``RMSNorm``, transformers' naming)
+    whose own forward computes the formula in the module docstring, bit for bit on a probe, an instance of
+    :func:`_closed_form_class` of its class. Returns how many norms it changed; doing it twice changes nothing
+    more."""
+    changed = 0
+    for module in model.modules():
+        if (type(module).__name__.endswith("RMSNorm") and not getattr(module, "_plait_closed_form", False)
+                and "forward" not in vars(module) and _computes_the_formula(module)):
+            module.__class__ = _closed_form_class(type(module))
+            changed += 1
+    return changed
