@@ -359,10 +359,20 @@ def summary(runs: list[dict]) -> dict:
                     if "error" not in r and not r["bf16"] and r["gradient_checkpointing"]]
             if same:
                 ok["plait"], note = same, "plait's defaults on this CPU are its checkpointed run (fp32, checkpointing on)"
-        if not (ok.get("trl") and ok.get("plait")):
-            out[key] = {lib: [r.get("error") for r in rs if "error" in r] for lib, rs in by_lib.items()}
-            continue
         mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+        if not (ok.get("trl") and ok.get("plait")):
+            errors = {lib: [r.get("error") for r in rs if "error" in r] for lib, rs in by_lib.items()}
+            if len(ok) == 1 and all(ok.values()) and not any(errors.values()):  # one library asked for (--libraries)
+                (lib, rs), = ok.items()
+                out[key] = {f"{lib}_s_per_step": mean(rs, "s_per_step"), f"{lib}_tokens_per_s": mean(rs, "tokens_per_s"),
+                            f"{lib}_peak_rss_mib": mean(rs, "peak_rss_mib"),
+                            **{f"{lib}_{name}": mean(rs, field) for name, field in
+                               (("flop_fraction", "flop_fraction"), ("tflops_per_s", "achieved_tflop_s"),
+                                ("peak_tflop_s", "matmul_peak_tflop_s")) if all(field in r for r in rs)},
+                            "load_1min": [round(r["load_1min"], 1) for r in rs]}
+            else:
+                out[key] = errors
+            continue
         out[key] = {"plait_s_per_step": mean(ok["plait"], "s_per_step"), "trl_s_per_step": mean(ok["trl"], "s_per_step"),
                     "speedup": mean(ok["trl"], "s_per_step") / mean(ok["plait"], "s_per_step"),
                     "plait_tokens_per_s": mean(ok["plait"], "tokens_per_s"),
@@ -439,6 +449,13 @@ def print_table(table: dict) -> None:
     print(f"{'method@length/setting':<36} {'plait s':>8} {'TRL s':>8} {'speed-up':>8} {'RSS':>5} "
           f"{'plait FLOP%':>11} {'TRL FLOP%':>9}")
     for key, row in table.items():
+        alone = [lib for lib in ("plait", "trl") if f"{lib}_s_per_step" in row and "speedup" not in row]
+        if alone:  # one library's runs: its own columns
+            lib = alone[0]
+            print(f"{key:<36} {cell(row, 'plait_s_per_step', '>8.2f'):>8} {cell(row, 'trl_s_per_step', '>8.2f'):>8} "
+                  f"{'-':>8} {'-':>5} {cell(row, 'plait_flop_fraction', '>11.1%'):>11} "
+                  f"{cell(row, 'trl_flop_fraction', '>9.1%'):>9}  ({lib} alone, {row[f'{lib}_peak_rss_mib']:.0f} MiB)")
+            continue
         if "speedup" not in row:
             print(f"{key:<36} errors: {json.dumps(row)}")
             continue

@@ -121,3 +121,19 @@ def test_summary_carries_each_librarys_flop_fraction():
     row = side_by_side().summary(runs)["orpo@128/defaults"]
     assert (row["speedup"], row["plait_flop_fraction"], row["trl_flop_fraction"], row["trl_tflops_per_s"]) == (
         2.0, 0.2, 0.1, 0.05)
+
+
+def test_one_librarys_runs_summarise_as_its_own_figures_and_a_failure_as_its_error(capsys):
+    run = dict(library="plait", method="sft", length=512, setting="defaults", s_per_step=4.0, tokens_per_s=500.0,
+               peak_rss_mib=3000.0, load_1min=0.5, bf16=True, gradient_checkpointing=True, flop_fraction=0.3,
+               achieved_tflop_s=0.5, matmul_peak_tflop_s=1.7)
+    bench = side_by_side()
+    table = bench.summary([run, {**run, "s_per_step": 5.0, "flop_fraction": 0.2, "load_1min": 1.5}])
+    assert table["sft@512/defaults"] == {
+        "plait_s_per_step": 4.5, "plait_tokens_per_s": 500.0, "plait_peak_rss_mib": 3000.0, "plait_flop_fraction": 0.25,
+        "plait_tflops_per_s": 0.5, "plait_peak_tflop_s": 1.7, "load_1min": [0.5, 1.5]}
+    bench.print_table(table)
+    printed = capsys.readouterr().out.splitlines()[-1]
+    assert printed.split()[:2] == ["sft@512/defaults", "4.50"] and printed.endswith("(plait alone, 3000 MiB)")
+    failed = bench.summary([{key: value for key, value in run.items() if key != "s_per_step"} | {"error": "boom"}])
+    assert failed["sft@512/defaults"] == {"plait": ["boom"]}

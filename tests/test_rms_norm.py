@@ -146,7 +146,7 @@ def test_gradient_checkpointing_recomputes_through_it_to_the_same_gradients():
     model = tiny_llama()
     closed_form_rms_norms(model)
     loss, grads = loss_and_gradients(model, autocast=False)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     checkpointed, checkpointed_grads = loss_and_gradients(model, autocast=False)
     assert torch.equal(loss, checkpointed)
     assert all(torch.equal(checkpointed_grads[name], grad) for name, grad in grads.items())
