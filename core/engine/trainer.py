@@ -160,7 +160,8 @@ class PlaitTrainer(Trainer):
                     disable_dropout(module)
             for module in (model, *self.held_models()):  # acts only under autocast (bf16/fp16 runs)
                 rotary_in_compute_dtype(module)
-            closed_form_rms_norms(model)  # a CPU's float32 norms differentiated in half autograd's passes
+            if trains_on_cpu(args):  # float32 norms differentiated in half autograd's passes
+                closed_form_rms_norms(model)
             self._policy = model  # the model before accelerate wraps it; datasets may need it (cached reference)
             self.padding_free = self._padding_free(args, processing_class)
             self.prefix_sharing = self._prefix_sharing(args)
