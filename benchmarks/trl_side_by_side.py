@@ -343,6 +343,19 @@ def run(spec: dict) -> dict:
     return {**spec, **json.loads(out.stdout.strip().splitlines()[-1]), "load_1min": load}
 
 
+FLOP_FIGURES = (("flop_fraction", "flop_fraction"), ("tflops_per_s", "achieved_tflop_s"),
+                ("peak_tflop_s", "matmul_peak_tflop_s"))  # summary name, run field
+
+
+def _mean(runs: list[dict], field: str) -> float:
+    return sum(r[field] for r in runs) / len(runs)
+
+
+def _flop_figures(lib: str, runs: list[dict]) -> dict:
+    """``lib``'s mean FLOP fraction, achieved and peak TFLOP/s over ``runs`` (runs before the FLOP count have none)."""
+    return {f"{lib}_{name}": _mean(runs, field) for name, field in FLOP_FIGURES if all(field in r for r in runs)}
+
+
 def summary(runs: list[dict]) -> dict:
     """Per method, length and setting: TRL's s/step over plait's (> 1: plait faster) and plait's peak RSS over TRL's."""
     table = {}
@@ -359,28 +372,21 @@ def summary(runs: list[dict]) -> dict:
                     if "error" not in r and not r["bf16"] and r["gradient_checkpointing"]]
             if same:
                 ok["plait"], note = same, "plait's defaults on this CPU are its checkpointed run (fp32, checkpointing on)"
-        mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
         if not (ok.get("trl") and ok.get("plait")):
             errors = {lib: [r.get("error") for r in rs if "error" in r] for lib, rs in by_lib.items()}
             if len(ok) == 1 and all(ok.values()) and not any(errors.values()):  # one library asked for (--libraries)
                 (lib, rs), = ok.items()
-                out[key] = {f"{lib}_s_per_step": mean(rs, "s_per_step"), f"{lib}_tokens_per_s": mean(rs, "tokens_per_s"),
-                            f"{lib}_peak_rss_mib": mean(rs, "peak_rss_mib"),
-                            **{f"{lib}_{name}": mean(rs, field) for name, field in
-                               (("flop_fraction", "flop_fraction"), ("tflops_per_s", "achieved_tflop_s"),
-                                ("peak_tflop_s", "matmul_peak_tflop_s")) if all(field in r for r in rs)},
+                out[key] = {f"{lib}_s_per_step": _mean(rs, "s_per_step"), f"{lib}_tokens_per_s": _mean(rs, "tokens_per_s"),
+                            f"{lib}_peak_rss_mib": _mean(rs, "peak_rss_mib"), **_flop_figures(lib, rs),
                             "load_1min": [round(r["load_1min"], 1) for r in rs]}
             else:
                 out[key] = errors
             continue
-        out[key] = {"plait_s_per_step": mean(ok["plait"], "s_per_step"), "trl_s_per_step": mean(ok["trl"], "s_per_step"),
-                    "speedup": mean(ok["trl"], "s_per_step") / mean(ok["plait"], "s_per_step"),
-                    "plait_tokens_per_s": mean(ok["plait"], "tokens_per_s"),
-                    "memory_ratio": mean(ok["plait"], "peak_rss_mib") / mean(ok["trl"], "peak_rss_mib"),
-                    **{f"{lib}_{name}": mean(ok[lib], field) for lib in ("plait", "trl")
-                       for name, field in (("flop_fraction", "flop_fraction"), ("tflops_per_s", "achieved_tflop_s"),
-                                           ("peak_tflop_s", "matmul_peak_tflop_s"))
-                       if all(field in r for r in ok[lib])},  # runs before the FLOP count have none
+        out[key] = {"plait_s_per_step": _mean(ok["plait"], "s_per_step"), "trl_s_per_step": _mean(ok["trl"], "s_per_step"),
+                    "speedup": _mean(ok["trl"], "s_per_step") / _mean(ok["plait"], "s_per_step"),
+                    "plait_tokens_per_s": _mean(ok["plait"], "tokens_per_s"),
+                    "memory_ratio": _mean(ok["plait"], "peak_rss_mib") / _mean(ok["trl"], "peak_rss_mib"),
+                    **_flop_figures("plait", ok["plait"]), **_flop_figures("trl", ok["trl"]),
                     "load_1min": [round(r["load_1min"], 1) for rs in ok.values() for r in rs]}
         if note:
             out[key]["note"] = note
