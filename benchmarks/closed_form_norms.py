@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -39,9 +38,6 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     import plait
-    from plait.engine.config import cpu_bf16_support
-
-    sys.path.insert(0, str(HERE))
     import trl_side_by_side as sbs
 
     model = sbs.model_folder(None)
@@ -68,7 +64,7 @@ def main() -> None:
 
     times = alternated_seconds({"transformers": own, "closed_form": closed, "transformers_again": own}, step,
                                options.rounds)
-    result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_bf16_support()[1], "cores": os.cpu_count(),
+    result = {"date": time.strftime("%Y-%m-%d"), "cpu": sbs.cpu_kind(), "cores": os.cpu_count(),
               "torch_threads": torch.get_num_threads(), "load_1min": os.getloadavg()[0], "precision": options.precision,
               "rounds": options.rounds, "norms": len(norms), "seconds": times,
               "median_seconds": {name: statistics.median(seconds) for name, seconds in times.items()},
