@@ -12,11 +12,11 @@ timing = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(timing)
 
 
-def test_variants_take_turns_after_one_warm_up_each():
+def test_variants_take_turns_after_one_warm_up_each_each_round_starting_one_further_on():
     order = []
-    times = timing.alternated_seconds({"a": 1.0, "b": 2.0}, lambda v: order.append(v) or v, repeats=3)
-    assert order == [1.0, 2.0] + [1.0, 2.0] * 3
-    assert times == {"a": [1.0] * 3, "b": [2.0] * 3}
+    times = timing.alternated_seconds({"a": 1.0, "b": 2.0, "c": 3.0}, lambda v: order.append(v) or v, repeats=4)
+    assert order == [1.0, 2.0, 3.0] + [1.0, 2.0, 3.0] + [2.0, 3.0, 1.0] + [3.0, 1.0, 2.0] + [1.0, 2.0, 3.0]
+    assert times == {"a": [1.0] * 4, "b": [2.0] * 4, "c": [3.0] * 4}
 
 
 def test_round_ratios_are_medians_of_same_round_ratios_not_ratios_of_medians():

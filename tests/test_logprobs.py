@@ -504,3 +504,34 @@ def test_prompt_tuning_virtual_tokens_are_not_scored_and_sft_trains_them(tmp_pat
     before = trainer.model.get_prompt_embedding_to_save("default").clone()
     trainer.train()
     assert not torch.equal(before, trainer.model.get_prompt_embedding_to_save("default"))
+
+
+def test_head_statistics_take_one_chunk_for_a_backward_and_the_chains_chunks_without_one(monkeypatch):
+    # Each chunk but the last is projected again in the backward and summed into the weight's gradient on
+    # its own, so a call that trains takes as few chunks as HeadStatistics' one buffer allows; a call without
+    # gradients (a reference model) saves nothing by it and keeps the chain's smaller chunks.
+    import plait.engine.head_statistics as head_statistics
+    import plait.engine.logprobs as logprobs
+
+    monkeypatch.setattr(logprobs, "LOGITS_BUDGET_BYTES", 16 * VOCAB * 4)  # the chain: 16 positions a chunk
+    monkeypatch.setattr(head_statistics, "BUFFER_BYTES", 40 * VOCAB * 4)  # the buffer: up to 40
+    calls = []
+    real = logprobs.HeadStatistics
+
+    class Spy(real):
+        @staticmethod
+        def forward(ctx, hidden, weight, bias, targets, dtype, chunk, statistics):
+            calls.append((hidden.shape[0], chunk))
+            return real.forward(ctx, hidden, weight, bias, targets, dtype, chunk, statistics)
+
+    monkeypatch.setattr(logprobs, "HeadStatistics", Spy)
+    model = tiny_llama(5)
+    ids = torch.randint(0, VOCAB, (3, 12))
+    token_logprobs(model, ids).logps.sum().backward()
+    with torch.no_grad():
+        token_logprobs(model, ids)
+    assert calls == [(36, 36), (36, 16)]
+    # 36 positions past a 24-position buffer: two even chunks of 18
+    monkeypatch.setattr(head_statistics, "BUFFER_BYTES", 24 * VOCAB * 4)
+    token_logprobs(model, ids).logps.sum().backward()
+    assert calls[-1] == (36, 18)

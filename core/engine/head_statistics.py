@@ -38,6 +38,24 @@ import torch
 from torch import Tensor
 
 
+# Bytes of the one [chunk, V] buffer HeadStatistics holds, in the projection's dtype: three of the autograd
+# chain's float32 chunks (plait.engine.logprobs.LOGITS_BUDGET_BYTES), about what that chain holds at once
+# (the upcast logits, their log-softmax, its gradient), so this path peaks no higher than the one it replaces
+BUFFER_BYTES = 3 * 128 * 2**20
+
+
+def chunk_positions(positions: int, vocab: int, dtype: torch.dtype) -> int:
+    """Positions per chunk for a call that will be differentiated, when the caller gives none: as few chunks as
+    :data:`BUFFER_BYTES` allows, of equal size. Each chunk but the last is projected twice (forward, then again
+    in the backward) and adds its own weight-gradient product into the sum, so fewer chunks is faster:
+    SmolLM2's output layer over SFT's 4 × 512 positions in one chunk rather than three, forward and backward,
+    914 → 700 ms in bf16 and 3,152 → 2,569 ms in float32 on AVX2; an SFT step 0.936 of the three-chunk one in
+    bf16, 0.976 in float32 on AVX2 (2-core Xeon with AMX, 2026-12-06, docs/benchmarks.md)."""
+    most = max(16, BUFFER_BYTES // (dtype.itemsize * vocab))
+    chunks = max(1, -(-positions // most))
+    return max(1, -(-positions // chunks))
+
+
 # Rows whose float32 logits are worked on together: 16 × 49,152 × 4 B = 3 MB stays in cache from the upcast
 # to the gradient (8 and 32 rows measured the same, 64 slower for SFT's chunks)
 ROW_BLOCK = 16
@@ -117,7 +135,7 @@ class HeadStatistics(torch.autograd.Function):
         projection = projection or _Projection(weight, bias, dtype, chunk, hidden.shape[0])
         with torch.autocast(hidden.device.type, enabled=False):
             grad_hidden = torch.empty_like(hidden, dtype=projection.weight.dtype) if ctx.needs_input_grad[0] else None
-            grad_weight = None
+            grad_weight = product = None
             grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
             # the newest chunk first, as autograd's chain differentiates them (its logits are still here)
             for rows, logits in projection.logits(hidden, newest_first=True):
@@ -130,17 +148,20 @@ class HeadStatistics(torch.autograd.Function):
                 if grad_hidden is not None:
                     grad_hidden[rows] = grad_logits @ projection.weight
                 if ctx.needs_input_grad[1]:  # each chunk's product rounded to the dtype, summed in the weight's
-                    product = projection.weight_product(grad_logits, hidden[rows])
-                    if grad_weight is None:
+                    if product is not None and grad_weight is None:  # a second chunk: the sum starts
                         grad_weight = product.to(weight.dtype, copy=True)
-                    else:
+                    product = projection.weight_product(grad_logits, hidden[rows])
+                    if grad_weight is not None:
                         grad_weight.add_(projection.in_dtype(product, weight.dtype))
                 if grad_bias is not None:
                     grad_bias += grad_logits.sum(0)
+            logits = grad_logits = projection.buffer = None
+            if ctx.needs_input_grad[1] and grad_weight is None:
+                # one chunk: its product is the gradient, converted only once the logits' buffer is freed, so the
+                # two are never held together (in float32 it is the gradient as it is); no positions: zeros
+                grad_weight = torch.zeros_like(weight) if product is None else product.to(weight.dtype)
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
-        if ctx.needs_input_grad[1] and grad_weight is None:  # no positions
-            grad_weight = torch.zeros_like(weight)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 

@@ -15,9 +15,11 @@ and lets it project only one position, and then the output layer is applied to c
 positions, each but the last under activation checkpointing so backward recomputes a chunk's
 logits rather than storing them (the backward frees the last chunk's graph before it recomputes
 another). Peak logits memory is O(chunk_size · V) instead of O(B · T · V). A plain linear output
-layer on a CPU takes :class:`~plait.engine.head_statistics.HeadStatistics` instead: the same chunks
-and float32 values in one autograd step with a handwritten backward, one reused [chunk, V] buffer and
-the softmax worked out a few rows at a time in cache (1.1-1.4x this path's time in bf16).
+layer on a CPU takes :class:`~plait.engine.head_statistics.HeadStatistics` instead: the same float32
+values in one autograd step with a handwritten backward, one reused [chunk, V] buffer and the softmax
+worked out a few rows at a time in cache (1.1-1.4x this path's time in bf16); holding no other tensor of
+that size, it takes chunks three times as large by default
+(:func:`~plait.engine.head_statistics.chunk_positions`).
 
 ``cast_lm_head_to_fp32`` projects the output layer in float32 (its weights and the hidden states
 upcast, autocast off), so logits, log-probs and entropies keep fp32 precision under a bf16
@@ -38,7 +40,7 @@ from accelerate.utils import extract_model_from_parallel
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from plait.engine.head_statistics import HeadStatistics, Statistics
+from plait.engine.head_statistics import HeadStatistics, Statistics, chunk_positions
 from plait.errors import PlaitError
 
 __all__ = ["TokenLogprobs", "compare_distributions", "default_chunk_size", "fp32_projection", "sequence_starts",
@@ -393,15 +395,19 @@ def _chunked(model, input_ids, forward_kwargs, targets, stats: Statistics, chunk
     flat = _own_positions(hidden, input_ids).reshape(-1, hidden.shape[-1])
     if rows is not None:
         flat, targets = flat[rows], targets[rows]
-    size = chunk_size or default_chunk_size(getattr(head, "out_features", None) or output.logits.shape[-1])
-
+    vocab = getattr(head, "out_features", None) or output.logits.shape[-1]
+    needs_grad = torch.is_grad_enabled() and (flat.requires_grad or any(p.requires_grad for p in head.parameters()))
     if linear_dtype is not None and not stats.with_collision:
+        # a backward projects each chunk but the last again: one large chunk where its buffer allows
+        trained = chunk_positions(flat.shape[0], vocab, linear_dtype) if needs_grad else None
+        size = chunk_size or trained or default_chunk_size(vocab)
         values = HeadStatistics.apply(flat, head.weight, head.bias, targets, linear_dtype, size, stats)
     else:
+        size = chunk_size or default_chunk_size(vocab)
+
         def chunk_stats(h: Tensor, t: Tensor) -> tuple[Tensor, ...]:
             return stats(project(h).float(), t)
 
-        needs_grad = torch.is_grad_enabled() and (flat.requires_grad or any(p.requires_grad for p in head.parameters()))
         pieces = _per_chunk(chunk_stats, list(zip(flat.split(size), targets.split(size))), needs_grad)
         values = tuple(torch.cat(parts) if parts else flat.new_zeros(0) for parts in zip(*pieces))
     if rows is None:
