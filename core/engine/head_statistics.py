@@ -39,8 +39,8 @@ from torch import Tensor
 
 
 # Bytes of the one [chunk, V] buffer HeadStatistics holds, in the projection's dtype: three of the autograd
-# chain's float32 chunks (plait.engine.logprobs.LOGITS_BUDGET_BYTES), about what that chain holds at once
-# (the upcast logits, their log-softmax, its gradient), so this path peaks no higher than the one it replaces
+# chain's float32 chunks (plait.engine.logprobs.LOGITS_BUDGET_BYTES), of which that chain holds a few at once
+# (its upcast logits, their log-softmax, the gradients of both)
 BUFFER_BYTES = 3 * 128 * 2**20
 
 

@@ -18,8 +18,8 @@ another). Peak logits memory is O(chunk_size · V) instead of O(B · T · V). A 
 layer on a CPU takes :class:`~plait.engine.head_statistics.HeadStatistics` instead: the same float32
 values in one autograd step with a handwritten backward, one reused [chunk, V] buffer and the softmax
 worked out a few rows at a time in cache (1.1-1.4x this path's time in bf16); holding no other tensor of
-that size, it takes chunks three times as large by default
-(:func:`~plait.engine.head_statistics.chunk_positions`).
+that size, it takes chunks three times as large by default where a backward follows (which would project
+each chunk but the last again: :func:`~plait.engine.head_statistics.chunk_positions`).
 
 ``cast_lm_head_to_fp32`` projects the output layer in float32 (its weights and the hidden states
 upcast, autocast off), so logits, log-probs and entropies keep fp32 precision under a bf16
