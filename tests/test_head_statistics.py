@@ -172,20 +172,3 @@ def test_a_retained_graph_differentiates_again_to_the_same_gradients():
     again = torch.autograd.grad(logp.sum(), [hidden, weight])
     for a, b in zip(first, again):
         assert torch.equal(a, b)
-
-
-def test_default_chunks_are_as_few_and_as_even_as_the_buffer_allows():
-    from plait.engine.head_statistics import BUFFER_BYTES, chunk_positions
-
-    # SmolLM2's vocabulary: SFT's 4 x 512 batch (2,044 predicted positions) is one chunk in bf16 and float32
-    assert chunk_positions(2044, 49_152, torch.bfloat16) == 2044
-    assert chunk_positions(2044, 49_152, torch.float32) == 2044
-    # past the buffer: the fewest chunks that fit, of equal size (4,096 bf16 rows fit, 4,097 take two, 10,000 three)
-    most = BUFFER_BYTES // (2 * 49_152)
-    assert most == 4096
-    assert chunk_positions(10_000, 49_152, torch.bfloat16) == 3334
-    assert chunk_positions(4097, 49_152, torch.bfloat16) == 2049
-    for positions in (1, 15, 4096, 4097, 12_289):
-        size = chunk_positions(positions, 49_152, torch.float32)
-        assert size * 49_152 * 4 <= BUFFER_BYTES and -(-positions // size) == -(-positions // 2048)
-    assert chunk_positions(0, 49_152, torch.float32) == 1  # no positions: a chunk size HeadStatistics accepts

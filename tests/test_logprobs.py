@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from plait.engine.logprobs import LOGITS_BUDGET_BYTES, TokenLogprobs, default_chunk_size, token_logprobs
+from plait.engine.logprobs import (HEAD_BUFFER_BYTES, LOGITS_BUDGET_BYTES, TokenLogprobs, default_chunk_size, head_chunk_size,
+                                   token_logprobs)
 from plait.errors import PlaitError
 
 VOCAB, HIDDEN = 300, 64
@@ -373,6 +374,20 @@ def test_default_chunk_size_bounds_one_chunk_of_logits():
     assert default_chunk_size(32_000) >= 1000 and default_chunk_size(152_064) >= 200
     assert default_chunk_size(300) == 4096 and default_chunk_size(10**9) == 16
 
+def test_head_chunks_for_a_backward_are_as_few_and_as_even_as_the_buffer_allows():
+    # SmolLM2's vocabulary: SFT's 4 x 512 batch (2,044 predicted positions) is one chunk in bf16 and float32
+    assert head_chunk_size(2044, 49_152, torch.bfloat16) == 2044
+    assert head_chunk_size(2044, 49_152, torch.float32) == 2044
+    # past the buffer: the fewest chunks that fit, of equal size (4,096 bf16 rows fit, 4,097 take two, 10,000 three)
+    most = HEAD_BUFFER_BYTES // (2 * 49_152)
+    assert most == 4096
+    assert head_chunk_size(10_000, 49_152, torch.bfloat16) == 3334
+    assert head_chunk_size(4097, 49_152, torch.bfloat16) == 2049
+    for positions in (1, 15, 4096, 4097, 12_289):
+        size = head_chunk_size(positions, 49_152, torch.float32)
+        assert size * 49_152 * 4 <= HEAD_BUFFER_BYTES and -(-positions // size) == -(-positions // 2048)
+    assert head_chunk_size(0, 49_152, torch.float32) == 1  # no positions: a chunk size HeadStatistics accepts
+
 
 # Each rank's gradient under DDP, run by torchrun as the other multi-process tests are (it joins the
 # ranks and bounds the run); a rank that cannot reach the other fails in two minutes with gloo's reason.
@@ -510,11 +525,10 @@ def test_head_statistics_take_one_chunk_for_a_backward_and_the_chains_chunks_wit
     # Each chunk but the last is projected again in the backward and summed into the weight's gradient on
     # its own, so a call that trains takes as few chunks as HeadStatistics' one buffer allows; a call without
     # gradients (a reference model) saves nothing by it and keeps the chain's smaller chunks.
-    import plait.engine.head_statistics as head_statistics
     import plait.engine.logprobs as logprobs
 
     monkeypatch.setattr(logprobs, "LOGITS_BUDGET_BYTES", 16 * VOCAB * 4)  # the chain: 16 positions a chunk
-    monkeypatch.setattr(head_statistics, "BUFFER_BYTES", 40 * VOCAB * 4)  # the buffer: up to 40
+    monkeypatch.setattr(logprobs, "HEAD_BUFFER_BYTES", 40 * VOCAB * 4)  # the buffer: up to 40
     calls = []
     real = logprobs.HeadStatistics
 
@@ -532,6 +546,6 @@ def test_head_statistics_take_one_chunk_for_a_backward_and_the_chains_chunks_wit
         token_logprobs(model, ids)
     assert calls == [(36, 36), (36, 16)]
     # 36 positions past a 24-position buffer: two even chunks of 18
-    monkeypatch.setattr(head_statistics, "BUFFER_BYTES", 24 * VOCAB * 4)
+    monkeypatch.setattr(logprobs, "HEAD_BUFFER_BYTES", 24 * VOCAB * 4)
     token_logprobs(model, ids).logps.sum().backward()
     assert calls[-1] == (36, 18)

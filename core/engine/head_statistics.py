@@ -38,24 +38,6 @@ import torch
 from torch import Tensor
 
 
-# Bytes of the one [chunk, V] buffer HeadStatistics holds, in the projection's dtype: three of the autograd
-# chain's float32 chunks (plait.engine.logprobs.LOGITS_BUDGET_BYTES), of which that chain holds a few at once
-# (its upcast logits, their log-softmax, the gradients of both)
-BUFFER_BYTES = 3 * 128 * 2**20
-
-
-def chunk_positions(positions: int, vocab: int, dtype: torch.dtype) -> int:
-    """Positions per chunk for a call that will be differentiated, when the caller gives none: as few chunks as
-    :data:`BUFFER_BYTES` allows, of equal size. Each chunk but the last is projected twice (forward, then again
-    in the backward) and adds its own weight-gradient product into the sum, so fewer chunks is faster:
-    SmolLM2's output layer over SFT's 4 × 512 positions in one chunk rather than three, forward and backward,
-    914 → 700 ms in bf16 and 3,152 → 2,569 ms in float32 on AVX2; an SFT step 0.936 of the three-chunk one in
-    bf16, 0.976 in float32 on AVX2 (2-core Xeon with AMX, 2026-12-06, docs/benchmarks.md)."""
-    most = max(16, BUFFER_BYTES // (dtype.itemsize * vocab))
-    chunks = max(1, -(-positions // most))
-    return max(1, -(-positions // chunks))
-
-
 # Rows whose float32 logits are worked on together: 16 × 49,152 × 4 B = 3 MB stays in cache from the upcast
 # to the gradient (8 and 32 rows measured the same, 64 slower for SFT's chunks)
 ROW_BLOCK = 16
