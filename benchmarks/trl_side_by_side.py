@@ -62,6 +62,17 @@ FLOPs over the time they take at those rates, each shape weighted by its count i
 ``trl_tflops_per_s`` and each run's peak (``plait_peak_tflop_s``, ``trl_peak_tflop_s``: the same
 shapes, so under load they differ by the load alone). Generation's decode GEMMs (M = a few rows) run far below this peak, so an
 online method's fraction is low by nature; the peak is the training shapes' rate.
+
+Steady state and the memory floor. ``s_per_step`` runs from the end of the first step to the end of the last,
+so it holds the second step, which pays once for the heap growing around the optimizer's state (made at the
+end of the first step): on SmolLM2's SFT step about 200,000 page faults (~800 MiB touched for the first time,
+~0.25 s), none from the third step on. ``steady_s_per_step`` runs from the end of the second step
+(``--steps`` ≥ 2), ``steady_flop_fraction`` is the FLOP fraction at that rate, and ``step_end_seconds`` lists
+when each step ended. ``floor_mib`` is what the run must hold at its peak whatever its library does: the
+process's RSS as training starts (interpreter, libraries, weights, a reference model, the data) plus the
+gradients of the trained parameters and the optimizer's state; ``above_floor_mib`` is the rest of the peak
+(activations, logits, buffers, the heap's slack), the part a library's step decides. The summary's
+``above_floor_ratio`` is plait's over TRL's, beside ``memory_ratio`` of the whole peaks.
 """
 
 from __future__ import annotations
@@ -243,14 +254,45 @@ def worker(spec: dict) -> dict:
             stamps.append(time.perf_counter())
 
     trainer.add_callback(Clock())
+    rss_at_start = current_rss_mib()
     trainer.train()
     seconds = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
     layout = token_rows(method, listed, tokenizer)
     out = {"s_per_step": seconds, "tokens_per_s": tokens_per_step(method, layout, groups) / seconds,
+           "step_end_seconds": [round(stamp - stamps[0], 3) for stamp in stamps],
            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           **memory_floor(trainer, rss_at_start),
            "bf16": bool(trainer.args.bf16), "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
            "cpu": cpu_kind()}
-    return {**out, **flop_fraction(method, trainer, layout, groups, seconds)}
+    out = {**out, **flop_fraction(method, trainer, layout, groups, seconds)}
+    if len(stamps) >= 3:  # from the third step on: the second still grows the heap around the optimizer's new state
+        steady = (stamps[-1] - stamps[1]) / (len(stamps) - 2)
+        out.update(steady_s_per_step=steady, steady_flop_fraction=out["flop_fraction"] * seconds / steady)
+    return out
+
+
+def current_rss_mib() -> float:
+    """This process's resident memory now (Linux), in MiB."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def memory_floor(trainer, rss_at_start: float) -> dict:
+    """What any step of this run must hold at its peak, whatever the library does: the process as training
+    starts (interpreter, libraries, the model's weights, a reference model's, the data) plus the trained
+    parameters' gradients and the optimizer's state (AdamW's two moments), which exist together once the
+    first step has run. ``above_floor_mib`` is the rest of the peak: activations, logits, buffers, the heap's
+    slack, the part a library's step decides."""
+    import torch
+
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
+    state = sum(t.nbytes for per_param in optimizer.state.values() for t in per_param.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    grads = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
+    floor = rss_at_start + (state + grads) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"rss_at_start_mib": rss_at_start, "gradients_mib": grads / 2**20, "optimizer_state_mib": state / 2**20,
+            "floor_mib": floor, "above_floor_mib": peak - floor}
 
 
 def flop_fraction(method: str, trainer, layout: list[flops.Row], groups: int, seconds: float) -> dict:
@@ -344,7 +386,9 @@ def run(spec: dict) -> dict:
 
 
 FLOP_FIGURES = (("flop_fraction", "flop_fraction"), ("tflops_per_s", "achieved_tflop_s"),
-                ("peak_tflop_s", "matmul_peak_tflop_s"))  # summary name, run field
+                ("peak_tflop_s", "matmul_peak_tflop_s"), ("steady_s_per_step", "steady_s_per_step"),
+                ("steady_flop_fraction", "steady_flop_fraction"), ("floor_mib", "floor_mib"),
+                ("above_floor_mib", "above_floor_mib"))  # summary name, run field (runs before a field have none)
 
 
 def _mean(runs: list[dict], field: str) -> float:
@@ -352,7 +396,8 @@ def _mean(runs: list[dict], field: str) -> float:
 
 
 def _flop_figures(lib: str, runs: list[dict]) -> dict:
-    """``lib``'s mean FLOP fraction, achieved and peak TFLOP/s over ``runs`` (runs before the FLOP count have none)."""
+    """``lib``'s mean FLOP fraction, achieved and peak TFLOP/s, steady-state s/step and FLOP fraction, memory floor
+    and peak above it over ``runs`` (runs made before a figure was recorded have none)."""
     return {f"{lib}_{name}": _mean(runs, field) for name, field in FLOP_FIGURES if all(field in r for r in runs)}
 
 
@@ -388,6 +433,11 @@ def summary(runs: list[dict]) -> dict:
                     "memory_ratio": _mean(ok["plait"], "peak_rss_mib") / _mean(ok["trl"], "peak_rss_mib"),
                     **_flop_figures("plait", ok["plait"]), **_flop_figures("trl", ok["trl"]),
                     "load_1min": [round(r["load_1min"], 1) for rs in ok.values() for r in rs]}
+        row = out[key]
+        if "plait_steady_s_per_step" in row and "trl_steady_s_per_step" in row:
+            row["steady_speedup"] = row["trl_steady_s_per_step"] / row["plait_steady_s_per_step"]
+        if "plait_above_floor_mib" in row and "trl_above_floor_mib" in row:
+            row["above_floor_ratio"] = row["plait_above_floor_mib"] / row["trl_above_floor_mib"]
         if note:
             out[key]["note"] = note
     return out
@@ -450,24 +500,30 @@ def main() -> None:
 
 
 def print_table(table: dict) -> None:
-    """The summary as a table: s/step of each library, speed-up, peak RSS ratio, FLOP fraction of each."""
+    """The summary as a table: s/step of each library, speed-up, peak RSS ratio, FLOP fraction of each; then from
+    the third step on (steady: s/step of each, speed-up, plait's FLOP fraction) and the ratio of the peaks above
+    each run's memory floor."""
     cell = lambda row, k, fmt: format(row[k], fmt) if k in row else "-"  # noqa: E731
     print(f"{'method@length/setting':<36} {'plait s':>8} {'TRL s':>8} {'speed-up':>8} {'RSS':>5} "
-          f"{'plait FLOP%':>11} {'TRL FLOP%':>9}")
+          f"{'plait FLOP%':>11} {'TRL FLOP%':>9} | {'steady plait':>12} {'TRL':>6} {'speed-up':>8} "
+          f"{'FLOP%':>6} | {'above floor':>11}")
     for key, row in table.items():
+        steady = (f" | {cell(row, 'plait_steady_s_per_step', '>12.2f'):>12} {cell(row, 'trl_steady_s_per_step', '>6.2f'):>6} "
+                  f"{cell(row, 'steady_speedup', '>7.2f'):>7}{'x' if 'steady_speedup' in row else ' '} "
+                  f"{cell(row, 'plait_steady_flop_fraction', '>6.1%'):>6} | {cell(row, 'above_floor_ratio', '>11.2f'):>11}")
         alone = [lib for lib in ("plait", "trl") if f"{lib}_s_per_step" in row and "speedup" not in row]
         if alone:  # one library's runs: its own columns
             lib = alone[0]
             print(f"{key:<36} {cell(row, 'plait_s_per_step', '>8.2f'):>8} {cell(row, 'trl_s_per_step', '>8.2f'):>8} "
                   f"{'-':>8} {'-':>5} {cell(row, 'plait_flop_fraction', '>11.1%'):>11} "
-                  f"{cell(row, 'trl_flop_fraction', '>9.1%'):>9}  ({lib} alone, {row[f'{lib}_peak_rss_mib']:.0f} MiB)")
+                  f"{cell(row, 'trl_flop_fraction', '>9.1%'):>9}{steady}  ({lib} alone, {row[f'{lib}_peak_rss_mib']:.0f} MiB)")
             continue
         if "speedup" not in row:
             print(f"{key:<36} errors: {json.dumps(row)}")
             continue
         print(f"{key:<36} {row['plait_s_per_step']:>8.2f} {row['trl_s_per_step']:>8.2f} {row['speedup']:>7.2f}x "
               f"{row['memory_ratio']:>5.2f} {cell(row, 'plait_flop_fraction', '>11.1%')} "
-              f"{cell(row, 'trl_flop_fraction', '>9.1%')}")
+              f"{cell(row, 'trl_flop_fraction', '>9.1%')}{steady}")
 
 
 def identity(run_: dict) -> tuple:

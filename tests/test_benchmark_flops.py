@@ -137,3 +137,20 @@ def test_one_librarys_runs_summarise_as_its_own_figures_and_a_failure_as_its_err
     assert printed.split()[:2] == ["sft@512/defaults", "4.50"] and printed.endswith("(plait alone, 3000 MiB)")
     failed = bench.summary([{key: value for key, value in run.items() if key != "s_per_step"} | {"error": "boom"}])
     assert failed["sft@512/defaults"] == {"plait": ["boom"]}
+
+
+def test_summary_carries_the_steady_state_and_the_peak_above_each_runs_floor(capsys):
+    run = dict(method="sft", length=512, setting="defaults", tokens_per_s=1.0, load_1min=1.0, bf16=True,
+               gradient_checkpointing=True)
+    runs = [{**run, "library": "plait", "s_per_step": 4.0, "steady_s_per_step": 3.5, "steady_flop_fraction": 0.36,
+             "peak_rss_mib": 3000.0, "floor_mib": 2600.0, "above_floor_mib": 400.0},
+            {**run, "library": "trl", "s_per_step": 12.0, "steady_s_per_step": 10.5, "steady_flop_fraction": 0.12,
+             "peak_rss_mib": 5000.0, "floor_mib": 3000.0, "above_floor_mib": 2000.0}]
+    bench = side_by_side()
+    row = bench.summary(runs)["sft@512/defaults"]
+    assert (row["speedup"], row["steady_speedup"], row["memory_ratio"], row["above_floor_ratio"]) == (3.0, 3.0, 0.6, 0.2)
+    assert (row["plait_steady_flop_fraction"], row["trl_floor_mib"]) == (0.36, 3000.0)
+    bench.print_table({"sft@512/defaults": row})
+    printed = capsys.readouterr().out.splitlines()[-1].split()
+    assert printed[:4] == ["sft@512/defaults", "4.00", "12.00", "3.00x"]
+    assert printed[-7:] == ["|", "3.50", "10.50", "3.00x", "36.0%", "|", "0.20"]
