@@ -69,9 +69,9 @@ end of the first step): on SmolLM2's SFT step about 200,000 page faults (~800 Mi
 ~0.25 s), none from the third step on. ``steady_s_per_step`` runs from the end of the second step
 (``--steps`` ≥ 2), ``steady_flop_fraction`` is the FLOP fraction at that rate, and ``step_end_seconds`` lists
 when each step ended. ``floor_mib`` is what the run must hold at its peak whatever its library does: the
-process's RSS as training starts (interpreter, libraries, weights, a reference model, the data) plus the
-gradients of the trained parameters and the optimizer's state; ``above_floor_mib`` is the rest of the peak
-(activations, logits, buffers, the heap's slack), the part a library's step decides. The summary's
+weights of every model in the process (the trained one, a reference, a teacher), the trained parameters'
+gradients and the optimizer's state; ``above_floor_mib`` is the rest of the peak (the interpreter and its
+libraries, activations, logits, buffers, the heap's slack), the part a library's step decides. The summary's
 ``above_floor_ratio`` is plait's over TRL's, beside ``memory_ratio`` of the whole peaks.
 """
 
@@ -254,14 +254,13 @@ def worker(spec: dict) -> dict:
             stamps.append(time.perf_counter())
 
     trainer.add_callback(Clock())
-    rss_at_start = current_rss_mib()
     trainer.train()
     seconds = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
     layout = token_rows(method, listed, tokenizer)
     out = {"s_per_step": seconds, "tokens_per_s": tokens_per_step(method, layout, groups) / seconds,
            "step_end_seconds": [round(stamp - stamps[0], 3) for stamp in stamps],
            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-           **memory_floor(trainer, rss_at_start),
+           **memory_floor(trainer),
            "bf16": bool(trainer.args.bf16), "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
            "cpu": cpu_kind()}
     out = {**out, **flop_fraction(method, trainer, layout, groups, seconds)}
@@ -271,27 +270,30 @@ def worker(spec: dict) -> dict:
     return out
 
 
-def current_rss_mib() -> float:
-    """This process's resident memory now (Linux), in MiB."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def memory_floor(trainer) -> dict:
+    """What any step of this run must hold at its peak, whatever the library does: the weights of every model in the
+    process (the trained one, a reference, a teacher, a reward model; each storage once, in the dtype it is held
+    in), the trained parameters' gradients and the optimizer's state (AdamW's two moments), which exist together
+    once the first step has run. ``above_floor_mib`` is the rest of the peak: the interpreter and its libraries,
+    activations, logits, buffers, the heap's slack."""
+    import gc
 
-
-def memory_floor(trainer, rss_at_start: float) -> dict:
-    """What any step of this run must hold at its peak, whatever the library does: the process as training
-    starts (interpreter, libraries, the model's weights, a reference model's, the data) plus the trained
-    parameters' gradients and the optimizer's state (AdamW's two moments), which exist together once the
-    first step has run. ``above_floor_mib`` is the rest of the peak: activations, logits, buffers, the heap's
-    slack, the part a library's step decides."""
     import torch
 
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.nn.Module):
+            for tensor in (*obj.parameters(recurse=False), *obj.buffers(recurse=False)):
+                if tensor.device.type == "cpu":
+                    storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
     state = sum(t.nbytes for per_param in optimizer.state.values() for t in per_param.values()
                 if torch.is_tensor(t) and t.dim() > 0)
     grads = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
-    floor = rss_at_start + (state + grads) / 2**20
+    weights = sum(storages.values())
+    floor = (weights + grads + state) / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"rss_at_start_mib": rss_at_start, "gradients_mib": grads / 2**20, "optimizer_state_mib": state / 2**20,
+    return {"weights_mib": weights / 2**20, "gradients_mib": grads / 2**20, "optimizer_state_mib": state / 2**20,
             "floor_mib": floor, "above_floor_mib": peak - floor}
 
 
