@@ -66,7 +66,7 @@ online method's fraction is low by nature; the peak is the training shapes' rate
 Steady state and the memory floor. ``s_per_step`` runs from the end of the first step to the end of the last,
 so it holds the second step, which pays once for the heap growing around the optimizer's state (made at the
 end of the first step): on SmolLM2's SFT step about 200,000 page faults (~800 MiB touched for the first time,
-~0.25 s), none from the third step on. ``steady_s_per_step`` runs from the end of the second step
+~0.3 s of system time), a few from the third step on. ``steady_s_per_step`` runs from the end of the second step
 (``--steps`` ≥ 2), ``steady_flop_fraction`` is the FLOP fraction at that rate, and ``step_end_seconds`` lists
 when each step ended. ``floor_mib`` is what the run must hold at its peak whatever its library does: the
 weights of every model in the process (the trained one, a reference, a teacher), the trained parameters'
