@@ -257,10 +257,10 @@ def worker(spec: dict) -> dict:
     trainer.train()
     seconds = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
     layout = token_rows(method, listed, tokenizer)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out = {"s_per_step": seconds, "tokens_per_s": tokens_per_step(method, layout, groups) / seconds,
            "step_end_seconds": [round(stamp - stamps[0], 3) for stamp in stamps],
-           "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-           **memory_floor(trainer),
+           "peak_rss_mib": peak, **memory_floor(trainer, peak),
            "bf16": bool(trainer.args.bf16), "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
            "cpu": cpu_kind()}
     out = {**out, **flop_fraction(method, trainer, layout, groups, seconds)}
@@ -270,7 +270,7 @@ def worker(spec: dict) -> dict:
     return out
 
 
-def memory_floor(trainer) -> dict:
+def memory_floor(trainer, peak_rss_mib: float) -> dict:
     """What any step of this run must hold at its peak, whatever the library does: the weights of every model in the
     process (the trained one, a reference, a teacher, a reward model; each storage once, in the dtype it is held
     in), the trained parameters' gradients and the optimizer's state (AdamW's two moments), which exist together
@@ -292,9 +292,8 @@ def memory_floor(trainer) -> dict:
     grads = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
     weights = sum(storages.values())
     floor = (weights + grads + state) / 2**20
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"weights_mib": weights / 2**20, "gradients_mib": grads / 2**20, "optimizer_state_mib": state / 2**20,
-            "floor_mib": floor, "above_floor_mib": peak - floor}
+            "floor_mib": floor, "above_floor_mib": peak_rss_mib - floor}
 
 
 def flop_fraction(method: str, trainer, layout: list[flops.Row], groups: int, seconds: float) -> dict:

@@ -416,7 +416,7 @@ def _chunked(model, input_ids, forward_kwargs, targets, stats: Statistics, chunk
     needs_grad = torch.is_grad_enabled() and (flat.requires_grad or any(p.requires_grad for p in head.parameters()))
     if linear_dtype is not None and not stats.with_collision:
         # a backward projects each chunk but the last again: one large chunk where its buffer allows
-        trained = needs_grad and head_chunk_size(flat.shape[0], vocab, linear_dtype)
+        trained = head_chunk_size(flat.shape[0], vocab, linear_dtype) if needs_grad else None
         size = chunk_size or trained or default_chunk_size(vocab)
         values = HeadStatistics.apply(flat, head.weight, head.bias, targets, linear_dtype, size, stats)
     else:
