@@ -4,8 +4,8 @@
 
 Builds the method's trainer exactly as benchmarks/trl_side_by_side.py does (SmolLM2-135M-Instruct,
 batch 4, rows of ``--length`` tokens, each library's defaults; ``--precision`` fixes bf16 autocast or
-fp32, gradient checkpointing stays on as both libraries default), trains three steps and profiles
-the third. Prints and writes to benchmarks/results/profile_<method>_<precision>.json:
+fp32, gradient checkpointing stays on as both libraries default), trains ``--step`` steps (3) and profiles
+the last. Prints and writes to benchmarks/results/profile_<method>_<precision>.json:
 
 - **by op**: self CPU time of each aten op (matmuls, attention kernels, casts, elementwise ops, the
   optimizer), the share of the step each takes, and matmul's share (the part a faster kernel cannot
@@ -64,6 +64,8 @@ def main() -> None:
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--shapes", action="store_true", help="also print the top ops by their input shapes")
+    parser.add_argument("--step", type=int, default=3, help="the step profiled (the ones before it warm up; the "
+                        "second grows the heap, and a change to what a step holds can move that later)")
     options = parser.parse_args()
 
     import torch
@@ -78,12 +80,12 @@ def main() -> None:
 
     model = sbs.model_folder(None)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    args = dict(output_dir="/tmp/plait-profile-step", max_steps=3, per_device_train_batch_size=sbs.BATCH,
+    args = dict(output_dir="/tmp/plait-profile-step", max_steps=options.step, per_device_train_batch_size=sbs.BATCH,
                 logging_steps=1, save_strategy="no", report_to="none", learning_rate=1e-6, seed=0,
                 bf16=options.precision == "bf16", max_length=options.length)
     args.update(sbs.method_args(options.method, options.length, groups=1))  # GKD's lmbda, GRPO's group, ...
     config = getattr(plait, f"{sbs.CONFIG[options.method]}Config")(**args)
-    data = Dataset.from_list(sbs.rows(options.method, options.length, tokenizer, sbs.BATCH * 3))
+    data = Dataset.from_list(sbs.rows(options.method, options.length, tokenizer, sbs.BATCH * options.step))
     trainer = getattr(plait, f"{sbs.CONFIG[options.method]}Trainer")(model=model, args=config, train_dataset=data,
                                                                        processing_class=tokenizer,
                                                                        **sbs.trainer_kwargs(options.method, model))
@@ -91,7 +93,7 @@ def main() -> None:
 
     class Profiled(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            if state.global_step == 2:
+            if state.global_step == options.step - 1:
                 window["profile"] = profile(activities=[ProfilerActivity.CPU], with_stack=True,
                                             record_shapes=options.shapes)
                 window["profile"].__enter__()
@@ -117,7 +119,7 @@ def main() -> None:
     result = {"date": time.strftime("%Y-%m-%d"), "method": options.method, "length": options.length,
               "precision": options.precision, "gradient_checkpointing": bool(trainer.args.gradient_checkpointing),
               "cpu": sbs.cpu_kind(), "torch_threads": torch.get_num_threads(), "load_1min": os.getloadavg()[0],
-              "step_seconds": window["seconds"], "profiled_cpu_seconds": total,
+              "step": options.step, "step_seconds": window["seconds"], "profiled_cpu_seconds": total,
               "matmul_share": sum(by_op[k] for k in MATMUL_OPS) / total,
               "by_op_seconds": top(by_op), "by_file_seconds": top(by_file)}
     out = HERE / "results" / f"profile_{options.method}_{options.precision}.json"

@@ -41,6 +41,7 @@ from . import run_folder
 from .attention import SEQUENCE_SDPA, packs_per_sequence, shares_prefixes
 from .autocast import rotary_in_compute_dtype
 from .config import method_args, trains_on_cpu
+from .cpu_linear import cpu_linears
 from .layout import RegisteredCollator
 from .logprobs import token_logprobs
 from .memory import TORCH_SWITCH, keep_freed_heap, large_buffers_aligned
@@ -160,8 +161,9 @@ class PlaitTrainer(Trainer):
                     disable_dropout(module)
             for module in (model, *self.held_models()):  # acts only under autocast (bf16/fp16 runs)
                 rotary_in_compute_dtype(module)
-            if trains_on_cpu(args):  # float32 norms differentiated in half autograd's passes
-                closed_form_rms_norms(model)
+            if trains_on_cpu(args):  # float32 norms in half autograd's passes; bf16 linears' casts shared, their
+                closed_form_rms_norms(model)  # weight gradients from row-major operands
+                cpu_linears(model)
             self._policy = model  # the model before accelerate wraps it; datasets may need it (cached reference)
             self.padding_free = self._padding_free(args, processing_class)
             self.prefix_sharing = self._prefix_sharing(args)
