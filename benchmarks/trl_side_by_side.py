@@ -61,7 +61,12 @@ FLOPs over the time they take at those rates, each shape weighted by its count i
 ``plait_flop_fraction`` and ``trl_flop_fraction`` beside ``plait_tflops_per_s``,
 ``trl_tflops_per_s`` and each run's peak (``plait_peak_tflop_s``, ``trl_peak_tflop_s``: the same
 shapes, so under load they differ by the load alone). Generation's decode GEMMs (M = a few rows) run far below this peak, so an
-online method's fraction is low by nature; the peak is the training shapes' rate.
+online method's fraction is low by nature; the peak is the training shapes' rate. F.linear's weight gradient
+reads its first operand (dyᵀ) transposed, which oneDNN's AMX kernel runs at about half its rate; the same GEMM
+with that operand copied row-major first is timed too (the copy not counted), and ``row_major_peak_tflop_s`` is
+the peak with each weight gradient at the faster of the two, ``row_major_flop_fraction`` and
+``steady_row_major_flop_fraction`` the fractions against it: the machine's rate on these shapes rather than
+torch's.
 
 Steady state and the memory floor. ``s_per_step`` runs from the end of the first step to the end of the last,
 so it holds the second step, which pays once for the heap growing around the optimizer's state (made at the
@@ -266,7 +271,8 @@ def worker(spec: dict) -> dict:
     out = {**out, **flop_fraction(method, trainer, layout, groups, seconds)}
     if len(stamps) >= 3:  # from the third step on: the second still grows the heap around the optimizer's new state
         steady = (stamps[-1] - stamps[1]) / (len(stamps) - 2)
-        out.update(steady_s_per_step=steady, steady_flop_fraction=out["flop_fraction"] * seconds / steady)
+        out.update(steady_s_per_step=steady, steady_flop_fraction=out["flop_fraction"] * seconds / steady,
+                   steady_row_major_flop_fraction=out["row_major_flop_fraction"] * seconds / steady)
     return out
 
 
@@ -311,7 +317,8 @@ def flop_fraction(method: str, trainer, layout: list[flops.Row], groups: int, se
             "generation_tflop_per_step": count["generation"] / 1e12,
             "flops_by_part": {k: count[k] / 1e12 for k in ("forward", "backward", "recompute", "lm_head")},
             "achieved_tflop_s": achieved / 1e12, **peak,
-            "flop_fraction": achieved / (peak["matmul_peak_tflop_s"] * 1e12)}
+            "flop_fraction": achieved / (peak["matmul_peak_tflop_s"] * 1e12),
+            "row_major_flop_fraction": achieved / (peak["row_major_peak_tflop_s"] * 1e12)}
 
 
 def matmul_peak(shapes: list[tuple[int, int, int, int]], bf16: bool, budget_s: float = 0.1, most: int = 50,
@@ -322,7 +329,9 @@ def matmul_peak(shapes: list[tuple[int, int, int, int]], bf16: bool, budget_s: f
     so a moment of another process's load does not decide its rate), over ``passes`` passes through all
     the shapes (a load that lasts a shape's whole budget, seen to halve the MLP shapes' rates in one pass
     on 2026-12-05, would otherwise lower the peak and raise the fraction); the peak is all their FLOPs over
-    the time they would take at those rates. Also the best single GEMM's rate, and every GEMM's."""
+    the time they would take at those rates. Also the best single GEMM's rate, every GEMM's, and the peak
+    with each weight gradient at the faster of F.linear's GEMM and the same one with dyᵀ copied row-major
+    (a fourth rate per shape)."""
     import torch
     import torch.nn.functional as F
 
@@ -333,7 +342,8 @@ def matmul_peak(shapes: list[tuple[int, int, int, int]], bf16: bool, budget_s: f
         for _ in range(passes):
             for s, (m, i, o, count) in enumerate(shapes):
                 x, w, dy = (torch.randn(*size, dtype=dtype) for size in ((m, i), (o, i), (m, o)))
-                for g, (a, b) in enumerate(((x, w), (dy, w.t()), (dy.t(), x.t()))):
+                gemms = ((x, w), (dy, w.t()), (dy.t(), x.t()), (dy.t().contiguous(), x.t()))
+                for g, (a, b) in enumerate(gemms):
                     F.linear(a, b)  # warm-up
                     times = []
                     while len(times) < 2 or (len(times) < most and sum(times) < budget_s):
@@ -341,16 +351,19 @@ def matmul_peak(shapes: list[tuple[int, int, int, int]], bf16: bool, budget_s: f
                         F.linear(a, b)
                         times.append(time.perf_counter() - tick)
                     fastest[s, g] = min(min(times), fastest.get((s, g), float("inf")))
-    work = elapsed = best = 0.0
-    rates: list[list] = []  # [M, in, out, forward, input grad, weight grad] in TFLOP/s
+    work = elapsed = row_major_elapsed = best = 0.0
+    rates: list[list] = []  # [M, in, out, forward, input grad, weight grad, weight grad row-major] in TFLOP/s
     for s, (m, i, o, count) in enumerate(shapes):
         rates.append([m, i, o])
+        flop = 2 * m * i * o
+        for g in range(4):
+            rates[-1].append(round(flop / fastest[s, g] / 1e12, 3))
         for g in range(3):
-            flop = 2 * m * i * o
             rate = flop / fastest[s, g]
-            rates[-1].append(round(rate / 1e12, 3))
             work, elapsed, best = work + count * flop, elapsed + count * flop / rate, max(best, rate)
+            row_major_elapsed += count * (min(fastest[s, 2], fastest[s, 3]) if g == 2 else fastest[s, g])
     return {"matmul_peak_tflop_s": work / elapsed / 1e12, "best_gemm_tflop_s": best / 1e12,
+            "row_major_peak_tflop_s": work / row_major_elapsed / 1e12,
             "gemm_tflop_s": rates, "peak_measured_s": time.perf_counter() - started}
 
 
@@ -386,10 +399,12 @@ def run(spec: dict) -> dict:
     return {**spec, **json.loads(out.stdout.strip().splitlines()[-1]), "load_1min": load}
 
 
+# summary name, run field (runs made before a field was recorded have none)
 FLOP_FIGURES = (("flop_fraction", "flop_fraction"), ("tflops_per_s", "achieved_tflop_s"),
                 ("peak_tflop_s", "matmul_peak_tflop_s"), ("steady_s_per_step", "steady_s_per_step"),
                 ("steady_flop_fraction", "steady_flop_fraction"), ("floor_mib", "floor_mib"),
-                ("above_floor_mib", "above_floor_mib"))  # summary name, run field (runs before a field have none)
+                ("above_floor_mib", "above_floor_mib"), ("row_major_peak_tflop_s", "row_major_peak_tflop_s"),
+                ("steady_row_major_flop_fraction", "steady_row_major_flop_fraction"))
 
 
 def _mean(runs: list[dict], field: str) -> float:
