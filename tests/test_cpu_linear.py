@@ -5,7 +5,7 @@ again, what runs ``nn.Linear``'s own forward, and a DPO run that trains through 
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
@@ -14,6 +14,16 @@ from plait.engine.cpu_linear import AutocastLinear, CpuLinear, cpu_linears, tran
 from plait.testing.tiny_model import tiny_model_path
 
 BF16_EPS = 2.0**-8  # bf16 keeps 8 significant bits
+MIN_TOKENS, MIN_WIDTH = cpu_linear.MIN_TOKENS, cpu_linear.MIN_WIDTH  # the sizes from which it pays
+
+
+@pytest.fixture(scope="module", autouse=True)
+def at_any_size():
+    """The tests below take small layers and batches through the Function; the last ones check the sizes."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_linear, "MIN_TOKENS", 1)
+        patch.setattr(cpu_linear, "MIN_WIDTH", 1)
+        yield
 
 
 def autocast():
@@ -48,6 +58,8 @@ def test_transposed_copies_rows_into_columns():
 def test_outputs_and_input_gradients_are_autocasts_and_weight_gradients_within_bf16_rounding(
         widths, tokens, bias, batched, low_input, seed):
     in_features, out_features = widths
+    # a bf16 input with nothing to share and autograd's weight gradient: nn.Linear's forward (the sizes' test)
+    assume(not low_input or cpu_linear._row_major_side(in_features, out_features) is not None)
     plain, converted = pair(in_features, out_features, bias, seed)
     shape = (2, tokens, in_features) if batched else (tokens, in_features)
     x = torch.randn(shape)
@@ -63,7 +75,7 @@ def test_outputs_and_input_gradients_are_autocasts_and_weight_gradients_within_b
         assert torch.equal(grads[2], expected_grads[2])
     weight_grad, by_autograd = grads[1], expected_grads[1]
     assert weight_grad.dtype == torch.float32 and weight_grad.is_contiguous()
-    if in_features == out_features:  # autograd's own GEMM
+    if cpu_linear._row_major_side(in_features, out_features) is None:  # autograd's own GEMM
         assert torch.equal(weight_grad, by_autograd)
     # the same float32 sums, blocked differently: their bf16 rounding differs by one place here and there
     largest = by_autograd.abs().max().item()
@@ -169,8 +181,27 @@ def test_a_dpo_run_trains_its_policy_through_it_and_its_margin_grows(tmp_path, m
         use_cpu=True, report_to="none", logging_steps=1, save_strategy="no"))
     trainer.train()
     layers = trainer.model.config.num_hidden_layers
-    # each step: the policy's seven linears a layer in the forward and the checkpoint's recompute; the frozen
-    # reference runs without gradients, through nn.Linear's own forward
-    assert len(calls) == 6 * 2 * 7 * layers
+    # each step: six of the policy's linears a layer in the forward and the checkpoint's recompute (the output
+    # projection, fed bf16 with a weight gradient autograd's, keeps nn.Linear's forward); the frozen reference
+    # runs without gradients, through nn.Linear's own forward
+    assert len(calls) == 6 * 2 * 6 * layers
     first, last = trainer.state.log_history[0], trainer.state.log_history[-2]
     assert last["rewards/margins"] > first["rewards/margins"] + 0.05, (first, last)
+
+
+@pytest.mark.parametrize("widths, tokens, dtype, takes, row_major", [
+    ((576, 1536), MIN_TOKENS, torch.float32, True, True),  # an MLP's gate: its cast shared, dWᵀ from xᵀ
+    ((1536, 576), MIN_TOKENS, torch.bfloat16, True, True),  # its down projection: dW from dyᵀ
+    ((576, 192), MIN_TOKENS, torch.float32, True, False),  # a key projection: its cast shared, autograd's GEMM
+    ((576, 576), MIN_TOKENS, torch.bfloat16, False, False),  # an output projection: nothing to gain
+    ((576, 1536), MIN_TOKENS // 2, torch.float32, False, True),  # a small batch: nn.Linear's forward
+], ids=["gate", "down", "key", "output projection", "small batch"])
+def test_the_sizes_from_which_it_pays(monkeypatch, widths, tokens, dtype, takes, row_major):
+    monkeypatch.setattr(cpu_linear, "MIN_TOKENS", MIN_TOKENS)
+    monkeypatch.setattr(cpu_linear, "MIN_WIDTH", MIN_WIDTH)
+    layer = torch.nn.Linear(*widths, bias=False)
+    cpu_linears(layer)
+    x = torch.randn(tokens, widths[0]).to(dtype)
+    output, _ = forward_and_gradients(layer, x, torch.ones(tokens, widths[1]).bfloat16())
+    assert (output.grad_fn.name() == "AutocastLinearBackward") == takes
+    assert (cpu_linear._row_major_side(*widths) is not None) == row_major

@@ -8,8 +8,10 @@ about half its rate: on SmolLM2's shapes (2,048 tokens, 2-core Xeon with AMX, 20
 against 2.0–2.7 for the same GEMM with that operand row-major (float32 GEMMs, through MKL, run at one rate
 either way). Copying the narrower of dy and x transposed first (the hidden size, 576 of SmolLM2's 1,536, in
 0.47 ms) turns the GEMM into one with both operands row-major: dW = (dyᵀ) x when dy is the narrower, else
-dWᵀ = (xᵀ) dy, whose small [in, out] product is copied transposed into the float32 gradient. Layers whose
-input and output widths are equal keep autograd's GEMM (the copy costs what it saves).
+dWᵀ = (xᵀ) dy, whose small [in, out] product is copied transposed into the float32 gradient. That pays where
+the GEMM is large beside the copy: a layer whose wider side is at least :data:`MIN_WIDTH` and twice its
+narrower (SmolLM2's gate, up and down projections, not its 576 × 576 and 576 × 192 ones), over at least
+:data:`MIN_TOKENS` tokens; other layers keep autograd's GEMM.
 
 Autocast casts a layer's float32 input to bf16 at every call, and caches only weights: the query, key and
 value projections cast the same normalised hidden states three times, the MLP's gate and up projections
@@ -17,7 +19,10 @@ twice, in the forward and again in the recompute under gradient checkpointing. H
 layers reading the same tensor take the first one's cast (and, in the backward, its transposed copy). Each
 layer still returns its input's gradient in float32, so the three gradients are summed in float32 as
 autograd sums them. (An input that is itself a leaf taking a gradient autocast does cache, and sums its
-gradients in bf16; such a layer runs ``nn.Linear``'s own forward.)
+gradients in bf16; such a layer runs ``nn.Linear``'s own forward.) A layer with nothing to share and no
+row-major weight gradient (an output projection fed bf16 by attention), or a batch under :data:`MIN_TOKENS`
+tokens, where a layer's forward and backward through the Function cost more than autograd's (0.1–0.6 ms at
+512 tokens), runs ``nn.Linear``'s own forward too.
 
 Everything but the weight gradient is the same number: the forward and the input's gradient are the same
 kernels on the same operands (the weight cast to bf16 as autocast casts it). The weight gradient is the same
@@ -38,6 +43,11 @@ from torch import Tensor
 __all__ = ["AutocastLinear", "CpuLinear", "cpu_linears"]
 
 COMPUTE_DTYPE = torch.bfloat16
+# Measured on SmolLM2's shapes (2-core Xeon with AMX, 2026-12-06), one layer's forward and backward: the down
+# projection (1,536 -> 576) 5.80 -> 5.09 ms at 1,024 tokens and 11.1 -> 10.3 at 2,048, but 3.24 -> 3.11 at 512,
+# where the gate projection's (576 -> 1,536) 2.69 -> 3.27 and the key's (576 -> 192) 0.87 -> 0.99 lose.
+MIN_TOKENS = 1024  # fewer tokens in a batch: nn.Linear's own forward
+MIN_WIDTH = 1024  # a narrower layer's weight gradient: autograd's GEMM
 
 
 def transposed(x: Tensor) -> Tensor:
@@ -96,16 +106,26 @@ class AutocastLinear(torch.autograd.Function):
             grad_x = torch.mm(dy, weight_low).view(x_low.shape).to(x_dtype)
         if ctx.needs_input_grad[1]:
             x = x_low.reshape(-1, in_features)
-            if out_features < in_features:  # dW = (dyᵀ) x: dy is the narrower, copied transposed
+            narrower = _row_major_side(in_features, out_features)
+            if narrower == "output":  # dW = (dyᵀ) x: dy copied transposed
                 grad_weight = torch.mm(transposed(dy), x).to(weight_dtype)
-            elif in_features < out_features:  # dWᵀ = (xᵀ) dy, then into the gradient transposed
+            elif narrower == "input":  # dWᵀ = (xᵀ) dy, then into the gradient transposed
                 product = torch.mm(_transposed_input(x_low), dy)
                 grad_weight = torch.empty(weight_low.shape, dtype=weight_dtype).copy_(product.t())
-            else:  # equal widths: the copy would cost what it saves
+            else:  # the copy would cost about what it saves: autograd's GEMM
                 grad_weight = torch.mm(dy.t(), x).to(weight_dtype)
         if bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(0).to(bias_dtype)
         return grad_x, grad_weight, grad_bias
+
+
+def _row_major_side(in_features: int, out_features: int) -> str | None:
+    """Which of x ("input") and dy ("output") a layer's weight gradient copies transposed, or None for
+    autograd's GEMM: the narrower, where the wider side is at least :data:`MIN_WIDTH` and twice as wide."""
+    narrow, wide = sorted((in_features, out_features))
+    if wide < MIN_WIDTH or 2 * narrow > wide:
+        return None
+    return "input" if in_features < out_features else "output"
 
 
 def _takes_the_function(module: torch.nn.Linear, x: Tensor) -> bool:
@@ -115,6 +135,10 @@ def _takes_the_function(module: torch.nn.Linear, x: Tensor) -> bool:
             and weight.dtype == torch.float32 and type(weight.data) is torch.Tensor
             and x.dtype in (torch.float32, COMPUTE_DTYPE) and (weight.requires_grad or x.requires_grad)
             and not (x.is_leaf and x.requires_grad)  # autocast caches such an input's cast: its own numbers
+            and x.numel() >= MIN_TOKENS * x.shape[-1]
+            # something to gain: a float32 input's cast to share, or a weight gradient from row-major operands
+            and (x.dtype == torch.float32
+                 or (weight.requires_grad and _row_major_side(weight.shape[1], weight.shape[0]) is not None))
             and not torch.compiler.is_compiling())
 
 
