@@ -84,6 +84,23 @@ def test_outputs_and_input_gradients_are_autocasts_and_weight_gradients_within_b
     assert (weight_grad.double() - exact).abs().max() <= 2 * (by_autograd.double() - exact).abs().max() + 1e-12
 
 
+@pytest.mark.parametrize("widths", [(16, 48), (48, 16)], ids=["wider output", "wider input"])
+def test_a_broadcast_gradient_differentiates_as_autograd(widths):
+    plain, converted = pair(*widths, True, 0)
+    x = torch.randn(3, 5, widths[0])
+    grads = []
+    for layer in (plain, converted):
+        source = x.clone().requires_grad_()
+        with autocast():
+            output = layer(source * 1)
+        output.float().sum().backward()  # the output's gradient arrives as an expanded tensor of ones
+        grads.append((source.grad, layer.weight.grad, layer.bias.grad))
+    assert output.grad_fn.name() == "AutocastLinearBackward"
+    (x_grad, weight_grad, bias_grad), (expected_x, expected_weight, expected_bias) = grads[1], grads[0]
+    assert torch.equal(x_grad, expected_x) and torch.equal(bias_grad, expected_bias)
+    assert (weight_grad - expected_weight).abs().max() <= BF16_EPS * expected_weight.abs().max()
+
+
 def test_layers_reading_one_tensor_share_its_cast_and_sum_their_gradients_as_autograd():
     torch.manual_seed(0)
     plain = [torch.nn.Linear(32, width, bias=False) for width in (32, 16, 16)]  # query, key, value

@@ -73,9 +73,6 @@ class _LastOf:
             self.source, self.version = weakref.ref(tensor), tensor._version
         return self.value
 
-    def forget(self) -> None:
-        self.source = self.value = None
-
 
 _cast = _LastOf(lambda x: x.to(COMPUTE_DTYPE))
 _transposed_input = _LastOf(lambda x: transposed(x.reshape(-1, x.shape[-1])))
