@@ -64,8 +64,8 @@ def main() -> None:
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--shapes", action="store_true", help="also print the top ops by their input shapes")
-    parser.add_argument("--step", type=int, default=3, help="the step profiled (the ones before it warm up; the "
-                        "second grows the heap, and a change to what a step holds can move that later)")
+    parser.add_argument("--step", type=int, default=3, help="the step profiled, at least 2; the ones before it warm "
+                        "up (the second still grows the heap)")
     options = parser.parse_args()
 
     import torch

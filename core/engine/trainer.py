@@ -161,9 +161,9 @@ class PlaitTrainer(Trainer):
                     disable_dropout(module)
             for module in (model, *self.held_models()):  # acts only under autocast (bf16/fp16 runs)
                 rotary_in_compute_dtype(module)
-            if trains_on_cpu(args):  # float32 norms in half autograd's passes; bf16 linears' casts shared, their
-                closed_form_rms_norms(model)  # weight gradients from row-major operands
-                cpu_linears(model)
+            if trains_on_cpu(args):
+                closed_form_rms_norms(model)  # float32 norms differentiated in half autograd's passes
+                cpu_linears(model)  # bf16 linears: input casts shared, weight gradients from row-major operands
             self._policy = model  # the model before accelerate wraps it; datasets may need it (cached reference)
             self.padding_free = self._padding_free(args, processing_class)
             self.prefix_sharing = self._prefix_sharing(args)
