@@ -127,8 +127,9 @@ def _row_major_side(in_features: int, out_features: int) -> str | None:
 
 def _takes_the_function(module: torch.nn.Linear, x: Tensor) -> bool:
     weight = module.weight
-    return (x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
-            and torch.get_autocast_dtype("cpu") == COMPUTE_DTYPE and torch.is_grad_enabled()
+    # no gradients first: generation's many small calls leave at the first test
+    return (torch.is_grad_enabled() and x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == COMPUTE_DTYPE
             and weight.dtype == torch.float32 and type(weight.data) is torch.Tensor
             and x.dtype in (torch.float32, COMPUTE_DTYPE) and (weight.requires_grad or x.requires_grad)
             and not (x.is_leaf and x.requires_grad)  # autocast caches such an input's cast: its own numbers
