@@ -27,8 +27,8 @@ tokens, where a layer's forward and backward through the Function cost more than
 Everything but the weight gradient is the same number: the forward and the input's gradient are the same
 kernels on the same operands (the weight cast to bf16 as autocast casts it). The weight gradient is the same
 sum in float32 accumulators, blocked differently, so its bf16 rounding differs in the last place for some
-elements (within 2⁻⁸ of the largest, ``tests/test_cpu_linear.py``). Float32 runs, other devices and frozen
-layers without a gradient run ``nn.Linear``'s own forward; so does the model's output layer, whose
+elements (within 2⁻⁸ of the largest, ``tests/test_cpu_linear.py``). Float32 runs, other devices and calls
+with nothing to differentiate run ``nn.Linear``'s own forward; so does the model's output layer, whose
 log-probs plait computes by :mod:`plait.engine.head_statistics`.
 """
 
