@@ -354,14 +354,14 @@ def matmul_peak(shapes: list[tuple[int, int, int, int]], bf16: bool, budget_s: f
     work = elapsed = row_major_elapsed = best = 0.0
     rates: list[list] = []  # [M, in, out, forward, input grad, weight grad, weight grad row-major] in TFLOP/s
     for s, (m, i, o, count) in enumerate(shapes):
-        rates.append([m, i, o])
         flop = 2 * m * i * o
-        for g in range(4):
-            rates[-1].append(round(flop / fastest[s, g] / 1e12, 3))
-        for g in range(3):
-            rate = flop / fastest[s, g]
-            work, elapsed, best = work + count * flop, elapsed + count * flop / rate, max(best, rate)
-            row_major_elapsed += count * (min(fastest[s, 2], fastest[s, 3]) if g == 2 else fastest[s, g])
+        timed = [fastest[s, g] for g in range(4)]
+        forward, input_grad, weight_grad, row_major = timed
+        rates.append([m, i, o, *(round(flop / seconds / 1e12, 3) for seconds in timed)])
+        work += 3 * count * flop
+        elapsed += count * (forward + input_grad + weight_grad)
+        row_major_elapsed += count * (forward + input_grad + min(weight_grad, row_major))
+        best = max(best, flop / min(forward, input_grad, weight_grad))
     return {"matmul_peak_tflop_s": work / elapsed / 1e12, "best_gemm_tflop_s": best / 1e12,
             "row_major_peak_tflop_s": work / row_major_elapsed / 1e12,
             "gemm_tflop_s": rates, "peak_measured_s": time.perf_counter() - started}
