@@ -7,11 +7,10 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM
 
 from plait.engine import cpu_linear
 from plait.engine.cpu_linear import AutocastLinear, CpuLinear, cpu_linears, transposed
-from plait.testing.tiny_model import tiny_model_path
+from plait.testing.tiny_model import loss_and_gradients, tiny_llama, tiny_model_path
 
 BF16_EPS = 2.0**-8  # bf16 keeps 8 significant bits
 MIN_TOKENS, MIN_WIDTH = cpu_linear.MIN_TOKENS, cpu_linear.MIN_WIDTH  # the sizes from which it pays
@@ -153,10 +152,6 @@ def test_anything_but_a_differentiated_bf16_autocast_runs_the_layers_own_forward
     assert output.grad_fn is None or output.grad_fn.name() != "AutocastLinearBackward"
 
 
-def tiny_llama():
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_path())).train()
-
-
 def test_every_linear_but_the_output_layer_changes_once():
     model = tiny_llama()
     layers = model.config.num_hidden_layers
@@ -168,15 +163,10 @@ def test_every_linear_but_the_output_layer_changes_once():
 def test_a_checkpointed_model_computes_the_same_loss_and_gradients_within_rounding():
     plain, converted = tiny_llama(), tiny_llama()
     cpu_linears(converted)
-    ids = torch.randint(5, 900, (2, 24), generator=torch.Generator().manual_seed(0))
-    results = []
     for model in (plain, converted):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        with autocast():
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters()}))
-    (expected, expected_grads), (loss, grads) = results
+    (expected, expected_grads), (loss, grads) = (loss_and_gradients(model, bf16_autocast=True, tokens=24)
+                                                 for model in (plain, converted))
     assert torch.equal(loss, expected)  # the forward is autocast's, bit for bit
     for name, grad in expected_grads.items():  # weight gradients' bf16 rounding, carried down the layers
         assert (grads[name] - grad).norm() <= 1e-2 * grad.norm() + 1e-7, name

@@ -7,10 +7,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM
 
 from plait.engine.rms_norm import ClosedFormRMSNorm, closed_form_rms_norms
-from plait.testing.tiny_model import tiny_model_path
+from plait.testing.tiny_model import loss_and_gradients, tiny_llama, tiny_model_path
 
 
 def definition(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,10 +98,6 @@ def test_anything_but_a_differentiated_float32_input_runs_the_modules_own_forwar
     assert torch.equal(output, expected.detach() if case != "bf16 input" else expected)
 
 
-def tiny_llama():
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_path())).train()
-
-
 def test_the_norms_that_compute_the_formula_change_once():
     model = tiny_llama()
     expected = 2 * model.config.num_hidden_layers + 1  # two a layer and the final one
@@ -114,15 +109,6 @@ def test_the_norms_that_compute_the_formula_change_once():
     assert closed_form_rms_norms(half) == 0
 
 
-def loss_and_gradients(model, autocast: bool):
-    ids = torch.randint(5, 900, (2, 20), generator=torch.Generator().manual_seed(0))
-    model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16 autocast"])
 def test_a_model_computes_the_same_loss_and_gradients_within_rounding(autocast):
     plain, closed = tiny_llama(), tiny_llama()
@@ -131,9 +117,9 @@ def test_a_model_computes_the_same_loss_and_gradients_within_rounding(autocast):
     with pytest.MonkeyPatch.context() as patch:
         apply = ClosedFormRMSNorm.apply
         patch.setattr(ClosedFormRMSNorm, "apply", lambda *a: calls.append(1) or apply(*a))
-        loss, grads = loss_and_gradients(closed, autocast)
+        loss, grads = loss_and_gradients(closed, bf16_autocast=autocast)
     assert len(calls) == 2 * closed.config.num_hidden_layers + 1
-    expected, expected_grads = loss_and_gradients(plain, autocast)
+    expected, expected_grads = loss_and_gradients(plain, bf16_autocast=autocast)
     assert torch.equal(loss, expected)  # the forward is the module's, bit for bit
     # float32 rounding of the norms' gradients, carried through; under autocast a gradient's bf16 cast before
     # a projection's GEMM then rounds an element the other way now and then (up to 1.4e-3 of a norm, measured)
@@ -146,9 +132,9 @@ def test_a_model_computes_the_same_loss_and_gradients_within_rounding(autocast):
 def test_gradient_checkpointing_recomputes_through_it_to_the_same_gradients():
     model = tiny_llama()
     closed_form_rms_norms(model)
-    loss, grads = loss_and_gradients(model, autocast=False)
+    loss, grads = loss_and_gradients(model, bf16_autocast=False)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    checkpointed, checkpointed_grads = loss_and_gradients(model, autocast=False)
+    checkpointed, checkpointed_grads = loss_and_gradients(model, bf16_autocast=False)
     assert torch.equal(loss, checkpointed)
     assert all(torch.equal(checkpointed_grads[name], grad) for name, grad in grads.items())
 

@@ -28,6 +28,10 @@ from __future__ import annotations
 
 import torch
 
+from . import compiled_kernels
+from .compiled_kernels import CompiledRMSNorm
+from .subclassing import subclass_with_forward
+
 __all__ = ["ClosedFormRMSNorm", "closed_form_rms_norms"]
 
 
@@ -68,30 +72,19 @@ class ClosedFormRMSNorm(torch.autograd.Function):
 
 def _closed_form_class(norm_class: type) -> type:
     """``norm_class`` with a forward that runs :class:`ClosedFormRMSNorm` for a float32 input on a CPU that a
-    backward will differentiate, and ``norm_class``'s own forward otherwise. A subclass rather than an instance's
-    forward: transformers' ``train()`` (through the ``kernels`` package) drops every instance forward of a norm
-    it may swap for a hub kernel; a subclass keeps its forward, and a hub kernel the user maps still takes over."""
-    if norm_class in _CLASSES:
-        return _CLASSES[norm_class]
-    name = f"ClosedForm{norm_class.__name__}"
-    while name in globals():  # another module's norm of the same name
-        name += "_"
+    backward will differentiate, and ``norm_class``'s own forward otherwise."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if (hidden_states.device.type == "cpu" and hidden_states.dtype == torch.float32
                 and weight.dtype == torch.float32 and torch.is_grad_enabled()
                 and (hidden_states.requires_grad or weight.requires_grad)):
-            return ClosedFormRMSNorm.apply(hidden_states, weight, self.variance_epsilon)
+            # one compiled loop each way under bf16 autocast on large batches, the same formula
+            function = CompiledRMSNorm if compiled_kernels.pays(hidden_states) else ClosedFormRMSNorm
+            return function.apply(hidden_states, weight, self.variance_epsilon)
         return norm_class.forward(self, hidden_states)
 
-    closed = type(name, (norm_class,), {"forward": forward, "_plait_closed_form": True, "__module__": __name__,
-                                        "__qualname__": name})
-    _CLASSES[norm_class] = globals()[name] = closed  # by name in this module, so a pickled model finds it
-    return closed
-
-
-_CLASSES: dict[type, type] = {}
+    return subclass_with_forward(norm_class, "ClosedForm", forward, "_plait_closed_form", __name__)
 
 
 def _computes_the_formula(module: torch.nn.Module) -> bool:

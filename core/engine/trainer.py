@@ -41,6 +41,7 @@ from . import run_folder
 from .attention import SEQUENCE_SDPA, packs_per_sequence, shares_prefixes
 from .autocast import rotary_in_compute_dtype
 from .config import method_args, trains_on_cpu
+from .compiled_kernels import compiled_mlps
 from .cpu_linear import cpu_linears
 from .layout import RegisteredCollator
 from .logprobs import token_logprobs
@@ -164,6 +165,7 @@ class PlaitTrainer(Trainer):
             if trains_on_cpu(args):
                 closed_form_rms_norms(model)  # float32 norms differentiated in half autograd's passes
                 cpu_linears(model)  # bf16 linears: input casts shared, weight gradients from row-major operands
+                compiled_mlps(model)  # bf16 SwiGLU forward and backward, one compiled loop each
             self._policy = model  # the model before accelerate wraps it; datasets may need it (cached reference)
             self.padding_free = self._padding_free(args, processing_class)
             self.prefix_sharing = self._prefix_sharing(args)

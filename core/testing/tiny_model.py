@@ -219,3 +219,24 @@ def noisy_tiny_model(seed: int = 1, scale: float = 0.5):
         for param in model.parameters():
             param.add_(torch.randn_like(param) * scale)
     return model
+
+
+def tiny_llama():
+    """The tiny model (:func:`tiny_model_path`) loaded in train mode: transformers' own Llama classes, so the
+    engine's conversions (norms, linear layers, MLPs) find what they find in a real model."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_path())).train()
+
+
+def loss_and_gradients(model, *, bf16_autocast: bool, tokens: int = 20):
+    """(loss, {parameter name: gradient}) of ``model``'s language-modelling loss on two fixed rows of ``tokens``
+    random ids, under bf16 autocast on the CPU or not; earlier gradients are cleared first."""
+    import torch
+
+    ids = torch.randint(5, 900, (2, tokens), generator=torch.Generator().manual_seed(0))
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
