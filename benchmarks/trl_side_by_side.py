@@ -283,12 +283,14 @@ def memory_floor(trainer, peak_rss_mib: float) -> dict:
     once the first step has run. ``above_floor_mib`` is the rest of the peak: the interpreter and its libraries,
     activations, logits, buffers, the heap's slack."""
     import gc
+    import weakref
 
     import torch
 
     storages = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.nn.Module):
+        # a weak proxy (torch.compile leaves some) whose object is gone raises on isinstance; type() does not look
+        if type(obj) not in weakref.ProxyTypes and isinstance(obj, torch.nn.Module):
             for tensor in (*obj.parameters(recurse=False), *obj.buffers(recurse=False)):
                 if tensor.device.type == "cpu":
                     storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
