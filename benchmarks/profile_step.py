@@ -8,8 +8,8 @@ fp32, gradient checkpointing stays on as both libraries default), trains ``--ste
 the last. Prints and writes to benchmarks/results/profile_<method>_<precision>.json:
 
 - **by op**: self CPU time of each aten op (matmuls, attention kernels, casts, elementwise ops, the
-  optimizer), the share of the step each takes, and matmul's share (the part a faster kernel cannot
-  shrink further than the matmul peak);
+  optimizer) and of inductor's compiled kernels together ("inductor kernel"), the share of the step each
+  takes, and matmul's share (the part a faster kernel cannot shrink further than the matmul peak);
 - **by plait file**: each op's self time attributed to the innermost Python frame above it in plait's
   source (core/, plugins/, losses/, rewards/) or a library's (transformers' modeling file, torch's
   checkpointing, ...); ops the autograd engine runs for the model's own ops are one row,
@@ -28,6 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+INDUCTOR_KERNEL = "inductor kernel"
 MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
 PLAIT_FOLDERS = ("core", "plugins", "losses", "rewards")
 LIBRARIES = ("transformers", "accelerate", "peft", "torch")
@@ -36,6 +37,8 @@ PASS_THROUGH = ("torch/_ops.py", "torch/utils/checkpoint.py", "torch/nn/modules/
                 "torch/autograd/function.py", "torch/_compile.py", "torch/_dynamo/eval_frame.py",
                 "transformers/modeling_layers.py", "transformers/utils/generic.py",
                 "transformers/utils/output_capturing.py")
+# torch.compile's machinery between a compiled function's caller and its kernels: the caller owns them
+COMPILED_CALLS = ("torch/_inductor/", "torch/_functorch/", "torch/_dynamo/")
 
 
 def owner(event) -> str:
@@ -51,8 +54,10 @@ def owner(event) -> str:
         if frame is not None:
             parts = Path(frame).parts
             for start, part in enumerate(parts):
-                if (part in PLAIT_FOLDERS or part in LIBRARIES) and "/".join(parts[start:]) not in PASS_THROUGH:
-                    return "/".join(parts[start:])
+                path = "/".join(parts[start:])
+                if ((part in PLAIT_FOLDERS or part in LIBRARIES) and path not in PASS_THROUGH
+                        and not path.startswith(COMPILED_CALLS)):
+                    return path
         parent = parent.cpu_parent
     return "other"
 
@@ -110,9 +115,12 @@ def main() -> None:
     by_op: dict[str, float] = defaultdict(float)
     by_file: dict[str, float] = defaultdict(float)
     for event in events:
-        if not event.name.startswith("aten::") or event.self_cpu_time_total <= 0:  # ops, not Python frames
+        # ops, not Python frames; an inductor-compiled kernel (plait.engine.compiled_kernels) is a Python call
+        # of the C function inductor built, named "kernel", and runs no aten op inside
+        name = INDUCTOR_KERNEL if event.name == "<built-in function kernel>" else event.name
+        if not name.startswith(("aten::", INDUCTOR_KERNEL)) or event.self_cpu_time_total <= 0:
             continue
-        by_op[event.name] += event.self_cpu_time_total / 1e6
+        by_op[name] += event.self_cpu_time_total / 1e6
         by_file[owner(event)] += event.self_cpu_time_total / 1e6
     total = sum(by_op.values())
     top = lambda table: {k: round(v, 4) for k, v in sorted(table.items(), key=lambda kv: -kv[1])[:options.top]}  # noqa: E731
