@@ -22,6 +22,9 @@ differentiate. Its forward is transformers' ops in transformers' order, so every
 the gradient is the formula's, which rounds differently from autograd's chain: within 1e-7 of it, relative to
 its largest element. Anything else (a bf16 input, whose x̂ transformers rounds to bf16 before the gain;
 another device; no gradient) runs the module's own forward. A run that trains on a CPU does this to its model.
+Under bf16 autocast, on batches where :func:`plait.engine.compiled_kernels.pays`, the same formula runs as two
+compiled loops instead (:class:`plait.engine.compiled_kernels.CompiledRMSNorm`; its mean summed in inductor's
+order, so within float32 rounding of these numbers).
 """
 
 from __future__ import annotations
@@ -71,8 +74,8 @@ class ClosedFormRMSNorm(torch.autograd.Function):
 
 
 def _closed_form_class(norm_class: type) -> type:
-    """``norm_class`` with a forward that runs :class:`ClosedFormRMSNorm` for a float32 input on a CPU that a
-    backward will differentiate, and ``norm_class``'s own forward otherwise."""
+    """``norm_class`` with a forward that runs :class:`ClosedFormRMSNorm` (or its compiled form) for a float32 input
+    on a CPU that a backward will differentiate, and ``norm_class``'s own forward otherwise."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight
