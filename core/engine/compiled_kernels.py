@@ -32,6 +32,7 @@ flags, is shared safely.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from typing import Callable
@@ -43,6 +44,8 @@ from torch import Tensor
 from .subclassing import subclass_with_forward
 
 __all__ = ["CompiledRMSNorm", "SwiGLU", "compiled_mlps", "pays"]
+
+logger = logging.getLogger("plait")
 
 COMPUTE_DTYPE = torch.bfloat16
 MIN_TOKENS = 1024  # fewer tokens in a batch: eager torch (a kernel call's guards cost ~50 µs; compiling, seconds)
@@ -75,6 +78,9 @@ def _run(kernel: Callable, *args) -> tuple[Tensor, ...]:
     if not _BROKEN:
         compiled = _COMPILED.get(kernel)
         if compiled is None:
+            if not _COMPILED:  # the first step stalls a few seconds: say why
+                logger.info("plait: compiling SwiGLU and RMSNorm kernels for this CPU (4-10 s, once a process; "
+                            "%s=0 skips them)", SWITCH)
             # every kernel takes 2-d tensors, so one compile serves every batch shape; eager's roundings kept
             compiled = _COMPILED[kernel] = torch.compile(kernel, dynamic=True, options=_INDUCTOR_OPTIONS)
         try:
