@@ -158,7 +158,8 @@ class CompiledRMSNorm(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, weight, inverse_rms = ctx.saved_tensors
         grad_x, grad_weight = _run(_rms_norm_backward, _rows(grad), _rows(x), weight, inverse_rms)
-        return (grad_x.view(x.shape) if ctx.needs_input_grad[0] else None), (grad_weight if ctx.needs_input_grad[1] else None), None
+        return (grad_x.view(x.shape) if ctx.needs_input_grad[0] else None,
+                grad_weight if ctx.needs_input_grad[1] else None, None)
 
 
 def _compiled_mlp_class(mlp_class: type) -> type:
