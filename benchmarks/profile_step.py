@@ -34,7 +34,7 @@ PLAIT_FOLDERS = ("core", "plugins", "losses", "rewards")
 LIBRARIES = ("transformers", "accelerate", "peft", "torch")
 # frames that only pass an op on (dispatch modes, checkpointing, module calls): the owner is above them
 PASS_THROUGH = ("torch/_ops.py", "torch/utils/checkpoint.py", "torch/nn/modules/module.py",
-                "torch/autograd/function.py", "torch/_compile.py", "torch/_dynamo/eval_frame.py",
+                "torch/autograd/function.py", "torch/_compile.py",
                 "transformers/modeling_layers.py", "transformers/utils/generic.py",
                 "transformers/utils/output_capturing.py")
 # torch.compile's machinery between a compiled function's caller and its kernels: the caller owns them
