@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .autocast import differentiated_in_bf16_on_cpu
 from .subclassing import subclass_with_forward
 
 __all__ = ["CompiledRMSNorm", "SwiGLU", "compiled_mlps", "pays"]
@@ -55,8 +56,7 @@ SWITCH = "PLAIT_COMPILED_KERNELS"
 def pays(x: Tensor) -> bool:
     """Whether ``x`` (activations [..., width]) goes through the compiled kernels: a CPU tensor of at least
     :data:`MIN_TOKENS` tokens under bf16 autocast, a backward to follow, kernels not switched off or broken."""
-    return (torch.is_grad_enabled() and x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
-            and torch.get_autocast_dtype("cpu") == COMPUTE_DTYPE and x.numel() >= MIN_TOKENS * x.shape[-1]
+    return (differentiated_in_bf16_on_cpu(x) and x.numel() >= MIN_TOKENS * x.shape[-1]
             and not _BROKEN and os.environ.get(SWITCH) != "0" and not torch.compiler.is_compiling())
 
 

@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .autocast import differentiated_in_bf16_on_cpu
+
 __all__ = ["AutocastLinear", "CpuLinear", "cpu_linears"]
 
 COMPUTE_DTYPE = torch.bfloat16
@@ -127,10 +129,7 @@ def _row_major_side(in_features: int, out_features: int) -> str | None:
 
 def _takes_the_function(module: torch.nn.Linear, x: Tensor) -> bool:
     weight = module.weight
-    # no gradients first: generation's many small calls leave at the first test
-    return (torch.is_grad_enabled() and x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
-            and torch.get_autocast_dtype("cpu") == COMPUTE_DTYPE
-            and weight.dtype == torch.float32 and type(weight.data) is torch.Tensor
+    return (differentiated_in_bf16_on_cpu(x) and weight.dtype == torch.float32 and type(weight.data) is torch.Tensor
             and x.dtype in (torch.float32, COMPUTE_DTYPE) and (weight.requires_grad or x.requires_grad)
             and not (x.is_leaf and x.requires_grad)  # autocast caches such an input's cast: its own numbers
             and x.numel() >= MIN_TOKENS * x.shape[-1]
