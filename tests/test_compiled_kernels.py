@@ -1,5 +1,5 @@
 """plait.engine.compiled_kernels: SwiGLU and RMSNorm as compiled loops under bf16 autocast on a CPU. SwiGLU's
-output and gradients are eager's bit for bit, the norm's the closed form's within float32 summation order; what
+output and gradients are eager's bit for bit, the norm's gradient the closed form's within float32 summation order; what
 takes them and what does not; MLPs converted only where their forward is SwiGLU; a checkpointed model's loss
 the same; an SFT run that trains through them; a machine where inductor cannot build runs eager; kernels built
 under AVX2 and under the CPU's own instruction set sharing one cache stay correct."""
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plait.engine import compiled_kernels
-from plait.engine.compiled_kernels import CompiledRMSNorm, SwiGLU, compiled_mlps, pays
+from plait.engine.compiled_kernels import SwiGLU, compiled_mlps, pays
 from plait.engine.rms_norm import ClosedFormRMSNorm, closed_form_rms_norms
 from plait.testing.tiny_model import loss_and_gradients, tiny_llama, tiny_model_path
 
@@ -57,18 +57,28 @@ def test_swiglu_is_eagers_silu_and_product_bit_for_bit_forward_and_backward(shap
 
 
 @settings(max_examples=10, deadline=None)
-@given(shape=st.sampled_from([(9, 32), (2, 7, 64), (1, 40, 48)]), seed=st.integers(0, 2**16))
-def test_the_compiled_norm_is_the_closed_form_within_float32_summation_order(shape, seed):
+@given(shape=st.sampled_from([(9, 32), (2, 7, 64), (1, 40, 48), (2, 64, 576)]), seed=st.integers(0, 2**16))
+def test_the_norms_compiled_backward_is_the_closed_form_within_float32_summation_order(shape, seed):
     generator = torch.Generator().manual_seed(seed)
     x, grad = torch.randn(*shape, generator=generator), torch.randn(*shape, generator=generator)
     weight = torch.randn(shape[-1], generator=generator)
+    calls = []
+    backward = compiled_kernels.rms_norm_backward
     results = []
-    for function in (ClosedFormRMSNorm, CompiledRMSNorm):
-        leaf_x, leaf_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
-        output = function.apply(leaf_x, leaf_w, 1e-5)
-        output.backward(grad)
-        results.append((output, leaf_x.grad, leaf_w.grad))
-    for expected, got in zip(*results):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiled_kernels, "rms_norm_backward", lambda *a: calls.append(1) or backward(*a))
+        for compiled in (False, True):
+            leaf_x, leaf_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+            output = ClosedFormRMSNorm.apply(leaf_x, leaf_w, 1e-5, compiled)
+            output.backward(grad)
+            results.append((output, leaf_x.grad, leaf_w.grad))
+    assert len(calls) == 1
+    (output, grad_x, grad_w), (compiled_output, compiled_grad_x, compiled_grad_w) = results
+    # the forward is transformers' ops either way, so a trained model and its frozen reference agree bit for bit
+    # (a compiled forward, its mean summed in inductor's order, differed at SmolLM2's width, 576, and a DPO run's
+    # first loss on SmolLM2 was 0.669, not ln 2)
+    assert torch.equal(compiled_output, output)
+    for expected, got in ((grad_x, compiled_grad_x), (grad_w, compiled_grad_w)):
         assert got.dtype == torch.float32 and got.shape == expected.shape
         assert relative(got, expected) < 1e-5
 
@@ -106,17 +116,16 @@ def test_a_checkpointed_model_computes_the_same_loss_and_gradients(monkeypatch):
     closed_form_rms_norms(plain), closed_form_rms_norms(converted)
     compiled_mlps(converted)
     calls = []
-    for function in (SwiGLU, CompiledRMSNorm):
-        apply = function.apply
-        monkeypatch.setattr(function, "apply", lambda *a, apply=apply, name=function.__name__:
-                            calls.append(name) or apply(*a))
+    apply, backward = SwiGLU.apply, compiled_kernels.rms_norm_backward
+    monkeypatch.setattr(SwiGLU, "apply", lambda *a: calls.append("SwiGLU") or apply(*a))
+    monkeypatch.setattr(compiled_kernels, "rms_norm_backward", lambda *a: calls.append("norm") or backward(*a))
     for model in (plain, converted):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     results = [loss_and_gradients(model, bf16_autocast=True, tokens=24) for model in (plain, converted)]
     layers = plain.config.num_hidden_layers
-    # SwiGLU: the converted model's forward and recompute; the norms: both models' two a layer, forward and
-    # recompute, and the final norm (outside the checkpointed layers) once
-    assert calls.count("SwiGLU") == 2 * layers and calls.count("CompiledRMSNorm") == 2 * (2 * 2 * layers + 1)
+    # SwiGLU: the converted model's forward and recompute; the norms' compiled backward: both models' two norms a
+    # layer and the final one, once each
+    assert calls.count("SwiGLU") == 2 * layers and calls.count("norm") == 2 * (2 * layers + 1)
     (expected, expected_grads), (loss, grads) = results
     assert torch.equal(loss, expected)  # SwiGLU's forward and backward are eager's bit for bit
     for name, grad in expected_grads.items():
@@ -145,7 +154,8 @@ def test_an_sft_run_trains_through_the_kernels(tmp_path, monkeypatch):
 CHILD = """
 import json, os, warnings, torch
 from plait.engine import compiled_kernels
-from plait.engine.compiled_kernels import SwiGLU, CompiledRMSNorm
+from plait.engine.compiled_kernels import SwiGLU
+from plait.engine.rms_norm import ClosedFormRMSNorm
 compiled_kernels.MIN_TOKENS = 1
 g = torch.Generator().manual_seed(0)
 gate, up, grad = (torch.randn(64, 96, generator=g).bfloat16() for _ in range(3))
@@ -155,12 +165,13 @@ with warnings.catch_warnings(record=True) as caught:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         a, b = gate.clone().requires_grad_(), up.clone().requires_grad_()
         SwiGLU.apply(a, b).backward(grad)
-        norm = CompiledRMSNorm.apply(x, w, 1e-5)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ClosedFormRMSNorm.apply(x1, w, 1e-5, True).backward(grad.float())  # compiled
 a2, b2 = gate.clone().requires_grad_(), up.clone().requires_grad_()
 (torch.nn.functional.silu(a2) * b2).backward(grad)
-expected = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+ClosedFormRMSNorm.apply(x2, w, 1e-5).backward(grad.float())  # the eager closed form
 print(json.dumps({"swiglu": torch.equal(a.grad, a2.grad) and torch.equal(b.grad, b2.grad),
-                  "norm": ((norm - expected).abs().max() / expected.abs().max()).item(),
+                  "norm": ((x1.grad - x2.grad).abs().max() / x2.grad.abs().max()).item(),
                   "broken": compiled_kernels._BROKEN, "warnings": [str(w.message) for w in caught]}))
 """
 

@@ -1,7 +1,7 @@
 """A decoder layer's elementwise chains as single kernels compiled by inductor, under bf16 autocast on a CPU.
 
 Between its GEMMs a decoder layer runs chains of elementwise ops, each a pass over a tensor as large as the
-layer's activations; on a CPU each pass is a trip through memory. Two chains, forward and backward, are
+layer's activations; on a CPU each pass is a trip through memory. Two chains are
 compiled here (``torch.compile``, inductor's C++ backend) into one loop each:
 
 - **SwiGLU** (Shazeer 2020, "GLU Variants Improve Transformer", eq. 5: FFN = (silu(x W) ⊙ x V) W₂): eager torch
@@ -13,18 +13,20 @@ compiled here (``torch.compile``, inductor's C++ backend) into one loop each:
   :class:`SwiGLU` computes the same values, each rounded to bf16 where eager rounds it (silu's output, each
   product), in one pass forward and one backward. :func:`compiled_mlps` makes every MLP whose own forward is
   ``down(silu(gate(x)) ⊙ up(x))`` (checked on a probe, bit for bit) an instance of a subclass that runs it.
-- **RMSNorm's closed form** (:mod:`plait.engine.rms_norm`): its forward's five ops and its backward's seven
-  passes, one loop each (:class:`CompiledRMSNorm`, taken by the closed-form norms where :func:`pays`).
+- **RMSNorm's closed-form backward** (:mod:`plait.engine.rms_norm`): its seven passes in one loop
+  (:func:`rms_norm_backward`, taken by the closed-form norms where :func:`pays`). Its forward stays transformers'
+  eager ops: a compiled one sums its mean in another order, and a DPO policy then no longer equals its frozen
+  reference (which runs eager, without gradients) at the first step; its loss started at 0.669 instead of ln 2.
 
-On SmolLM2-135M (4 × 512 tokens, bf16, 2-core Xeon with AMX, 2026-12-06) a ``training_step`` runs 0.960 and
-0.965 of its time without them for SFT, 0.957 for DPO (alternated rounds, ``benchmarks/compiled_kernels.py``; the
-baseline's twin 0.984–0.990). Compiling costs about 4 s a process once inductor's C++ kernels are on disk (6–10 s
-before), so only batches of :data:`MIN_TOKENS` tokens or more take them, and ``PLAIT_COMPILED_KERNELS=0``
-switches them off. A machine where inductor cannot build (no C++ compiler) warns once and runs eager torch.
+On SmolLM2-135M (4 × 512 tokens, bf16, 2-core Xeon with AMX, 2026-12-06) a ``training_step`` runs 0.981 and
+0.994 of its time without them for SFT, 0.973 for DPO (alternated rounds, ``benchmarks/compiled_kernels.py``; the
+baseline's twin 0.997–1.005); with the norm's forward compiled too it was 0.957–0.965, not kept (above).
+Compiling costs about 4 s a process once inductor's C++ kernels are on disk (6–10 s before), so only batches of
+:data:`MIN_TOKENS` tokens or more take them, and ``PLAIT_COMPILED_KERNELS=0`` switches them off. A machine where inductor cannot build (no C++ compiler) warns once and runs eager torch.
 
 The numbers: SwiGLU's are eager's roundings of the same float32 values; inductor's float32 silu and sigmoid may
-differ from ATen's in the last float32 place, which bf16 rounding hides in nearly every element (one bf16 step
-at most). The norm's mean is summed in another order than ATen's (float32, within 1e-6 relative). Inductor's
+differ from ATen's in the last float32 place, which bf16 rounding hides (every test finds them bit-equal). The
+norm's gradient sums in another order than ATen's (float32, within 1e-5 relative). Inductor's
 FX-graph cache is off for these kernels: in torch 2.13 it handed kernels built for one vector instruction set to
 a process on another (AVX2 and AMX), which gave wrong values; its C++ cache, keyed by the generated source and
 flags, is shared safely.
@@ -44,7 +46,7 @@ from torch import Tensor
 from .autocast import differentiated_in_bf16_on_cpu
 from .subclassing import subclass_with_forward
 
-__all__ = ["CompiledRMSNorm", "SwiGLU", "compiled_mlps", "pays"]
+__all__ = ["SwiGLU", "compiled_mlps", "pays", "rms_norm_backward"]
 
 logger = logging.getLogger("plait")
 
@@ -128,12 +130,6 @@ class SwiGLU(torch.autograd.Function):
         return grad_gate.view(gate.shape), grad_up.view(up.shape)
 
 
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(w ⊙ x̂, r): :func:`plait.engine.rms_norm._normalise`'s ops."""
-    inverse_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * (x * inverse_rms), inverse_rms
-
-
 def _rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, inverse_rms: Tensor) -> tuple[Tensor, Tensor]:
     """(g_x, g_w) by the closed form of :mod:`plait.engine.rms_norm` (g_w summed over tokens in float32)."""
     grad = grad.float()
@@ -143,23 +139,12 @@ def _rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, inverse_rms: Ten
     return inverse_rms * grad_x_hat - x_hat * (mean * inverse_rms), (grad * x_hat).sum(0)
 
 
-class CompiledRMSNorm(torch.autograd.Function):
-    """``CompiledRMSNorm.apply(x, weight, eps)``: :class:`plait.engine.rms_norm.ClosedFormRMSNorm` for a float32
-    ``x`` and ``weight``, its forward and backward each one compiled loop."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        output, inverse_rms = _run(_rms_norm, _rows(x), weight, eps)
-        ctx.save_for_backward(x, weight, inverse_rms)
-        return output.view(x.shape)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor):
-        x, weight, inverse_rms = ctx.saved_tensors
-        grad_x, grad_weight = _run(_rms_norm_backward, _rows(grad), _rows(x), weight, inverse_rms)
-        return (grad_x.view(x.shape) if ctx.needs_input_grad[0] else None,
-                grad_weight if ctx.needs_input_grad[1] else None, None)
+def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, inverse_rms: Tensor) -> tuple[Tensor, Tensor]:
+    """RMSNorm's closed-form gradients (g_x shaped as ``x``, g_w float32) for float32 ``x`` [..., H], its
+    ``weight`` and the forward's inverse RMS [..., 1], in one compiled loop: what
+    :class:`plait.engine.rms_norm.ClosedFormRMSNorm` runs where :func:`pays`."""
+    grad_x, grad_weight = _run(_rms_norm_backward, _rows(grad), _rows(x), weight, _rows(inverse_rms))
+    return grad_x.view(x.shape), grad_weight
 
 
 def _compiled_mlp_class(mlp_class: type) -> type:

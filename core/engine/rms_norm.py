@@ -22,9 +22,10 @@ differentiate. Its forward is transformers' ops in transformers' order, so every
 the gradient is the formula's, which rounds differently from autograd's chain: within 1e-7 of it, relative to
 its largest element. Anything else (a bf16 input, whose x̂ transformers rounds to bf16 before the gain;
 another device; no gradient) runs the module's own forward. A run that trains on a CPU does this to its model.
-Under bf16 autocast, on batches where :func:`plait.engine.compiled_kernels.pays`, the same formula runs as two
-compiled loops instead (:class:`plait.engine.compiled_kernels.CompiledRMSNorm`; its mean summed in inductor's
-order, so within float32 rounding of these numbers).
+Under bf16 autocast, on batches where :func:`plait.engine.compiled_kernels.pays`, the backward's formula runs as
+one compiled loop (:func:`plait.engine.compiled_kernels.rms_norm_backward`; its sums in inductor's order, within
+float32 rounding of these numbers). The forward stays transformers' ops: a trained model and its frozen
+reference, which runs without gradients and so without this Function, give the same numbers.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from __future__ import annotations
 import torch
 
 from . import compiled_kernels
-from .compiled_kernels import CompiledRMSNorm
 from .subclassing import subclass_with_forward
 
 __all__ = ["ClosedFormRMSNorm", "closed_form_rms_norms"]
@@ -45,20 +45,25 @@ def _normalise(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch
 
 
 class ClosedFormRMSNorm(torch.autograd.Function):
-    """``ClosedFormRMSNorm.apply(x, weight, eps)``: RMSNorm over the last dimension of a float32 ``x``,
-    differentiated by the closed form in the module docstring. It keeps x and r for the backward (autograd's
-    chain keeps x̂ as well)."""
+    """``ClosedFormRMSNorm.apply(x, weight, eps, compiled=False)``: RMSNorm over the last dimension of a float32
+    ``x``, differentiated by the closed form in the module docstring (in one compiled loop where ``compiled``).
+    It keeps x and r for the backward (autograd's chain keeps x̂ as well)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, compiled: bool = False) -> torch.Tensor:
         output, inverse_rms = _normalise(x, weight, eps)
         ctx.save_for_backward(x, weight, inverse_rms)
+        ctx.compiled = compiled  # the backward as one compiled loop (the same formula)
         return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output: torch.Tensor):
         x, weight, inverse_rms = ctx.saved_tensors
+        if ctx.compiled:
+            grad_x, grad_weight = compiled_kernels.rms_norm_backward(grad_output, x, weight, inverse_rms)
+            return (grad_x if ctx.needs_input_grad[0] else None,
+                    grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None)
         grad_output = grad_output.float()
         x_hat = x * inverse_rms
         grad_weight = None
@@ -70,21 +75,22 @@ class ClosedFormRMSNorm(torch.autograd.Function):
             # r · (g_x̂ − x̂ · mean(g_x̂ ⊙ x̂)) as r·g_x̂ − x̂ · (r · mean): two passes where the three-term form takes three
             mean = torch.linalg.vecdot(grad_x_hat, x_hat).unsqueeze(-1).div_(x.shape[-1])
             grad_x = torch.addcmul(grad_x_hat.mul_(inverse_rms), x_hat, mean.mul_(inverse_rms), value=-1)
-        return grad_x, grad_weight, None
+        return grad_x, grad_weight, None, None
 
 
 def _closed_form_class(norm_class: type) -> type:
-    """``norm_class`` with a forward that runs :class:`ClosedFormRMSNorm` (or its compiled form) for a float32 input
-    on a CPU that a backward will differentiate, and ``norm_class``'s own forward otherwise."""
+    """``norm_class`` with a forward that runs :class:`ClosedFormRMSNorm` for a float32 input on a CPU that a
+    backward will differentiate, and ``norm_class``'s own forward otherwise."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if (hidden_states.device.type == "cpu" and hidden_states.dtype == torch.float32
                 and weight.dtype == torch.float32 and torch.is_grad_enabled()
                 and (hidden_states.requires_grad or weight.requires_grad)):
-            # one compiled loop each way under bf16 autocast on large batches, the same formula
-            function = CompiledRMSNorm if compiled_kernels.pays(hidden_states) else ClosedFormRMSNorm
-            return function.apply(hidden_states, weight, self.variance_epsilon)
+            # under bf16 autocast on large batches its backward is one compiled loop (decided here: a Function's
+            # forward runs without gradients, where compiled_kernels.pays says no)
+            return ClosedFormRMSNorm.apply(hidden_states, weight, self.variance_epsilon,
+                                           compiled_kernels.pays(hidden_states))
         return norm_class.forward(self, hidden_states)
 
     return subclass_with_forward(norm_class, "ClosedForm", forward, "_plait_closed_form", __name__)
