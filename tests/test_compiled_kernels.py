@@ -1,5 +1,6 @@
 """plait.engine.compiled_kernels: SwiGLU and RMSNorm as compiled loops under bf16 autocast on a CPU. SwiGLU's
-output and gradients are eager's bit for bit, the norm's gradient the closed form's within float32 summation order; what
+output and gradients are eager's bit for bit, the norm's output and gradient the closed form's within float32
+summation order, alike with gradients and without (a DPO policy equals its reference at the first step); what
 takes them and what does not; MLPs converted only where their forward is SwiGLU; a checkpointed model's loss
 the same; an SFT run that trains through them; a machine where inductor cannot build runs eager; kernels built
 under AVX2 and under the CPU's own instruction set sharing one cache stay correct."""
@@ -16,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plait.engine import compiled_kernels
-from plait.engine.compiled_kernels import SwiGLU, compiled_mlps, pays
+from plait.engine.compiled_kernels import SwiGLU, compiled_mlps, forward_pays, pays
 from plait.engine.rms_norm import ClosedFormRMSNorm, closed_form_rms_norms
 from plait.testing.tiny_model import loss_and_gradients, tiny_llama, tiny_model_path
 
@@ -58,7 +59,7 @@ def test_swiglu_is_eagers_silu_and_product_bit_for_bit_forward_and_backward(shap
 
 @settings(max_examples=10, deadline=None)
 @given(shape=st.sampled_from([(9, 32), (2, 7, 64), (1, 40, 48), (2, 64, 576)]), seed=st.integers(0, 2**16))
-def test_the_norms_compiled_backward_is_the_closed_form_within_float32_summation_order(shape, seed):
+def test_the_norms_compiled_loops_are_the_closed_form_within_float32_summation_order(shape, seed):
     generator = torch.Generator().manual_seed(seed)
     x, grad = torch.randn(*shape, generator=generator), torch.randn(*shape, generator=generator)
     weight = torch.randn(shape[-1], generator=generator)
@@ -74,13 +75,67 @@ def test_the_norms_compiled_backward_is_the_closed_form_within_float32_summation
             results.append((output, leaf_x.grad, leaf_w.grad))
     assert len(calls) == 1
     (output, grad_x, grad_w), (compiled_output, compiled_grad_x, compiled_grad_w) = results
-    # the forward is transformers' ops either way, so a trained model and its frozen reference agree bit for bit
-    # (a compiled forward, its mean summed in inductor's order, differed at SmolLM2's width, 576, and a DPO run's
-    # first loss on SmolLM2 was 0.669, not ln 2)
-    assert torch.equal(compiled_output, output)
+    assert relative(compiled_output, output) < 1e-6  # the mean summed in inductor's order
     for expected, got in ((grad_x, compiled_grad_x), (grad_w, compiled_grad_w)):
         assert got.dtype == torch.float32 and got.shape == expected.shape
         assert relative(got, expected) < 1e-5
+
+
+def smollm2_norm() -> torch.nn.Module:
+    """A converted Llama RMSNorm of SmolLM2's width, 576, where inductor's order of the mean is not ATen's."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(576, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1, generator=torch.Generator().manual_seed(1))
+    assert closed_form_rms_norms(norm) == 1
+    return norm
+
+
+def test_a_norm_computes_a_batch_alike_with_gradients_and_without_whatever_its_rows(monkeypatch):
+    """A trained model's norms and its frozen reference's (no gradients) must agree bit for bit: a compiled forward
+    for the one and transformers' eager ops for the other made a DPO run's first loss 0.669 on SmolLM2, not ln 2."""
+    monkeypatch.setattr(compiled_kernels, "MIN_TOKENS", MIN_TOKENS)
+    norm, frozen = smollm2_norm(), smollm2_norm().requires_grad_(False)
+    x = torch.randn(2, MIN_TOKENS // 2 + 40, 576, generator=torch.Generator().manual_seed(0)).mul(3)
+    with autocast():
+        trained = norm(x.clone().requires_grad_())
+        with torch.no_grad():
+            reference = frozen(x)
+            rows = frozen(x[:, 7:MIN_TOKENS // 2 + 40].contiguous())  # other rows, still above the threshold
+            small = frozen(x[:, :8])
+    eager = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+    assert not torch.equal(reference, eager)  # compiled: the test can tell the two apart at this width
+    assert torch.equal(trained, reference) and torch.equal(rows, reference[:, 7:])
+    assert torch.equal(small, eager[:, :8])  # below the threshold: transformers' ops
+
+
+def test_a_dpo_policy_equals_its_reference_at_the_first_step(tmp_path):
+    """The first DPO loss is ln 2 and both rewards 0, through the trainer, at SmolLM2's width."""
+    import math
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from plait.plugins.methods.dpo import DPOConfig, DPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_path()))
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    words = "the sky is blue and the grass is green while snow stays white in the cold".split()
+    rows = [{"prompt": " ".join(words[i:] + words[:i]), "chosen": " ".join(words[:i + 3]),
+             "rejected": " ".join(reversed(words[: i + 4]))} for i in range(4)]
+    trainer = DPOTrainer(model, train_dataset=Dataset.from_list(rows), processing_class=tokenizer, args=DPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, bf16=True, use_cpu=True,
+        report_to="none", logging_steps=1, save_strategy="no"))
+    trainer.train()
+    first = trainer.state.log_history[0]
+    assert first["rewards/chosen"] == 0 and first["rewards/rejected"] == 0, first
+    assert abs(first["loss"] - math.log(2)) < 1e-6, first
 
 
 def test_what_takes_the_kernels(monkeypatch):
@@ -90,13 +145,14 @@ def test_what_takes_the_kernels(monkeypatch):
         assert pays(x)
         with torch.no_grad():
             assert not pays(x)  # nothing to differentiate: generation, a frozen reference
+            assert forward_pays(x)  # the norm's forward all the same (its numbers are not eager's)
         monkeypatch.setenv(compiled_kernels.SWITCH, "0")
         assert not pays(x)
         monkeypatch.setenv(compiled_kernels.SWITCH, "1")
         monkeypatch.setattr(compiled_kernels, "MIN_TOKENS", MIN_TOKENS)
         assert not pays(torch.randn(MIN_TOKENS - 1, 8)) and pays(torch.randn(2, MIN_TOKENS // 2, 8))
     with torch.autocast("cpu", dtype=torch.float16):
-        assert not pays(x)
+        assert not pays(x) and not forward_pays(x)
 
 
 def test_only_swiglu_mlps_change_and_only_once():

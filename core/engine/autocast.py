@@ -34,18 +34,23 @@ from collections import Counter
 
 import torch
 
-__all__ = ["differentiated_in_bf16_on_cpu", "frozen_linears_in_compute_dtype", "rotary_in_compute_dtype"]
+__all__ = ["computed_in_bf16_on_cpu", "differentiated_in_bf16_on_cpu", "frozen_linears_in_compute_dtype",
+           "rotary_in_compute_dtype"]
 
 # accelerate's mixed-precision setting -> the dtype its autocast computes linear layers in
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def computed_in_bf16_on_cpu(x: torch.Tensor) -> bool:
+    """Whether work on ``x`` runs on a CPU under bf16 autocast, with gradients on or off."""
+    return x.device.type == "cpu" and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
 
 
 def differentiated_in_bf16_on_cpu(x: torch.Tensor) -> bool:
     """Whether work on ``x`` runs on a CPU under bf16 autocast with gradients on: where plait's CPU training
     kernels (:mod:`plait.engine.cpu_linear`, :mod:`plait.engine.compiled_kernels`) may act. Gradients are tested
     first, so generation's many small no-grad calls leave at once."""
-    return (torch.is_grad_enabled() and x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
-            and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+    return torch.is_grad_enabled() and computed_in_bf16_on_cpu(x)
 
 
 def _tables_in_compute_dtype(module, args, output):

@@ -13,20 +13,23 @@ compiled here (``torch.compile``, inductor's C++ backend) into one loop each:
   :class:`SwiGLU` computes the same values, each rounded to bf16 where eager rounds it (silu's output, each
   product), in one pass forward and one backward. :func:`compiled_mlps` makes every MLP whose own forward is
   ``down(silu(gate(x)) ⊙ up(x))`` (checked on a probe, bit for bit) an instance of a subclass that runs it.
-- **RMSNorm's closed-form backward** (:mod:`plait.engine.rms_norm`): its seven passes in one loop
-  (:func:`rms_norm_backward`, taken by the closed-form norms where :func:`pays`). Its forward stays transformers'
-  eager ops: a compiled one sums its mean in another order, and a DPO policy then no longer equals its frozen
-  reference (which runs eager, without gradients) at the first step; its loss started at 0.669 instead of ln 2.
+- **RMSNorm's closed form** (:mod:`plait.engine.rms_norm`): its forward's five ops and its backward's seven
+  passes, one loop each (:func:`rms_norm`, :func:`rms_norm_backward`). The compiled forward sums its mean in
+  inductor's order, not ATen's (within 1e-7 relative), and bf16 carries such a difference far: a DPO policy
+  whose norms ran it while its frozen reference ran transformers' eager ops started at a loss of 0.669 instead
+  of ln 2 (SmolLM2, 2026-12-06). So the norms take it wherever :func:`forward_pays`, with gradients or without,
+  and a frozen reference's norms are converted like the policy's: both compute a batch alike, as the same ops
+  on the same rows give the same bits (one kernel serves every number of rows; each row is summed alike).
 
 On SmolLM2-135M (4 × 512 tokens, bf16, 2-core Xeon with AMX, 2026-12-06) a ``training_step`` runs 0.981 and
-0.994 of its time without them for SFT, 0.973 for DPO (alternated rounds, ``benchmarks/compiled_kernels.py``; the
-baseline's twin 0.997–1.005); with the norm's forward compiled too it was 0.957–0.965, not kept (above).
+0.994 of its time without them for SFT, 0.973 for DPO with the norm's forward eager, 0.957–0.965 and 0.957 with it
+compiled (alternated rounds, ``benchmarks/compiled_kernels.py``; the baseline's twin 0.984–1.005).
 Compiling costs about 4 s a process once inductor's C++ kernels are on disk (6–10 s before), so only batches of
 :data:`MIN_TOKENS` tokens or more take them, and ``PLAIT_COMPILED_KERNELS=0`` switches them off. A machine where inductor cannot build (no C++ compiler) warns once and runs eager torch.
 
 The numbers: SwiGLU's are eager's roundings of the same float32 values; inductor's float32 silu and sigmoid may
 differ from ATen's in the last float32 place, which bf16 rounding hides (every test finds them bit-equal). The
-norm's gradient sums in another order than ATen's (float32, within 1e-5 relative). Inductor's
+norm's mean and gradient sum in another order than ATen's (float32; within 1e-7 and 1e-5 relative). Inductor's
 FX-graph cache is off for these kernels: in torch 2.13 it handed kernels built for one vector instruction set to
 a process on another (AVX2 and AMX), which gave wrong values; its C++ cache, keyed by the generated source and
 flags, is shared safely.
@@ -43,10 +46,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .autocast import differentiated_in_bf16_on_cpu
+from .autocast import computed_in_bf16_on_cpu, differentiated_in_bf16_on_cpu
 from .subclassing import subclass_with_forward
 
-__all__ = ["SwiGLU", "compiled_mlps", "pays", "rms_norm_backward"]
+__all__ = ["SwiGLU", "compiled_mlps", "forward_pays", "pays", "rms_norm", "rms_norm_backward"]
 
 logger = logging.getLogger("plait")
 
@@ -58,8 +61,18 @@ SWITCH = "PLAIT_COMPILED_KERNELS"
 def pays(x: Tensor) -> bool:
     """Whether ``x`` (activations [..., width]) goes through the compiled kernels: a CPU tensor of at least
     :data:`MIN_TOKENS` tokens under bf16 autocast, a backward to follow, kernels not switched off or broken."""
-    return (differentiated_in_bf16_on_cpu(x) and x.numel() >= MIN_TOKENS * x.shape[-1]
-            and not _BROKEN and os.environ.get(SWITCH) != "0" and not torch.compiler.is_compiling())
+    return differentiated_in_bf16_on_cpu(x) and _large_enough(x)
+
+
+def forward_pays(x: Tensor) -> bool:
+    """:func:`pays` with gradients on or off: where a forward whose numbers differ from eager's (the norm's)
+    runs compiled, so that a trained model and its frozen reference compute a batch alike."""
+    return computed_in_bf16_on_cpu(x) and _large_enough(x)
+
+
+def _large_enough(x: Tensor) -> bool:
+    return (x.numel() >= MIN_TOKENS * x.shape[-1] and not _BROKEN and os.environ.get(SWITCH) != "0"
+            and not torch.compiler.is_compiling())
 
 
 _BROKEN: list[str] = []  # why inductor failed, once it has: every later call runs eager
@@ -128,6 +141,19 @@ class SwiGLU(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         grad_gate, grad_up = _run(_swiglu_backward, _rows(grad), _rows(gate), _rows(up))
         return grad_gate.view(gate.shape), grad_up.view(up.shape)
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(w ⊙ x̂, r): :func:`plait.engine.rms_norm._normalise`'s ops."""
+    inverse_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x * inverse_rms), inverse_rms
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """RMSNorm's output and inverse RMS [..., 1] for float32 ``x`` [..., H], in one compiled loop: what the
+    closed-form norms of :mod:`plait.engine.rms_norm` run where :func:`forward_pays`."""
+    output, inverse_rms = _run(_rms_norm, _rows(x), weight, eps)
+    return output.view(x.shape), inverse_rms.view(*x.shape[:-1], 1)
 
 
 def _rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, inverse_rms: Tensor) -> tuple[Tensor, Tensor]:

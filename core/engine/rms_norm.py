@@ -21,11 +21,14 @@ subclass whose forward runs :class:`ClosedFormRMSNorm` for a float32 input on a 
 differentiate. Its forward is transformers' ops in transformers' order, so every output is the same number;
 the gradient is the formula's, which rounds differently from autograd's chain: within 1e-7 of it, relative to
 its largest element. Anything else (a bf16 input, whose x̂ transformers rounds to bf16 before the gain;
-another device; no gradient) runs the module's own forward. A run that trains on a CPU does this to its model.
-Under bf16 autocast, on batches where :func:`plait.engine.compiled_kernels.pays`, the backward's formula runs as
-one compiled loop (:func:`plait.engine.compiled_kernels.rms_norm_backward`; its sums in inductor's order, within
-float32 rounding of these numbers). The forward stays transformers' ops: a trained model and its frozen
-reference, which runs without gradients and so without this Function, give the same numbers.
+another device) runs the module's own forward. A run that trains on a CPU does this to its model and to the
+frozen models it holds (a reference, a teacher).
+
+Under bf16 autocast, on batches where :func:`plait.engine.compiled_kernels.forward_pays`, forward and backward
+each run as one compiled loop (:func:`plait.engine.compiled_kernels.rms_norm` and ``rms_norm_backward``: the
+same formulas, summed in inductor's order, within float32 rounding of these numbers), with gradients or
+without: a trained model and its frozen reference then give a batch the same numbers, as they must at the
+first step (a DPO loss of ln 2).
 """
 
 from __future__ import annotations
@@ -46,14 +49,14 @@ def _normalise(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch
 
 class ClosedFormRMSNorm(torch.autograd.Function):
     """``ClosedFormRMSNorm.apply(x, weight, eps, compiled=False)``: RMSNorm over the last dimension of a float32
-    ``x``, differentiated by the closed form in the module docstring (in one compiled loop where ``compiled``).
-    It keeps x and r for the backward (autograd's chain keeps x̂ as well)."""
+    ``x``, differentiated by the closed form in the module docstring (each way one compiled loop where
+    ``compiled``). It keeps x and r for the backward (autograd's chain keeps x̂ as well)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, compiled: bool = False) -> torch.Tensor:
-        output, inverse_rms = _normalise(x, weight, eps)
+        output, inverse_rms = compiled_kernels.rms_norm(x, weight, eps) if compiled else _normalise(x, weight, eps)
         ctx.save_for_backward(x, weight, inverse_rms)
-        ctx.compiled = compiled  # the backward as one compiled loop (the same formula)
+        ctx.compiled = compiled
         return output
 
     @staticmethod
@@ -80,17 +83,18 @@ class ClosedFormRMSNorm(torch.autograd.Function):
 
 def _closed_form_class(norm_class: type) -> type:
     """``norm_class`` with a forward that runs :class:`ClosedFormRMSNorm` for a float32 input on a CPU that a
-    backward will differentiate, and ``norm_class``'s own forward otherwise."""
+    backward will differentiate, the compiled forward alone where none will but it pays, and ``norm_class``'s
+    own forward otherwise."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if (hidden_states.device.type == "cpu" and hidden_states.dtype == torch.float32
-                and weight.dtype == torch.float32 and torch.is_grad_enabled()
-                and (hidden_states.requires_grad or weight.requires_grad)):
-            # under bf16 autocast on large batches its backward is one compiled loop (decided here: a Function's
-            # forward runs without gradients, where compiled_kernels.pays says no)
-            return ClosedFormRMSNorm.apply(hidden_states, weight, self.variance_epsilon,
-                                           compiled_kernels.pays(hidden_states))
+        if hidden_states.device.type == "cpu" and hidden_states.dtype == weight.dtype == torch.float32:
+            # decided here, not in the Function: its forward runs with gradients off
+            compiled = compiled_kernels.forward_pays(hidden_states)
+            if torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad):
+                return ClosedFormRMSNorm.apply(hidden_states, weight, self.variance_epsilon, compiled)
+            if compiled:  # a frozen reference, old log-probs: the kernel the trained forward runs on this batch
+                return compiled_kernels.rms_norm(hidden_states, weight, self.variance_epsilon)[0]
         return norm_class.forward(self, hidden_states)
 
     return subclass_with_forward(norm_class, "ClosedForm", forward, "_plait_closed_form", __name__)

@@ -163,7 +163,8 @@ class PlaitTrainer(Trainer):
             for module in (model, *self.held_models()):  # acts only under autocast (bf16/fp16 runs)
                 rotary_in_compute_dtype(module)
             if trains_on_cpu(args):
-                closed_form_rms_norms(model)  # float32 norms differentiated in half autograd's passes
+                for module in (model, *self.held_models()):  # a reference's norms compute a batch as the policy's
+                    closed_form_rms_norms(module)  # float32 norms differentiated in half autograd's passes
                 cpu_linears(model)  # bf16 linears: input casts shared, weight gradients from row-major operands
                 compiled_mlps(model)  # bf16 SwiGLU forward and backward, one compiled loop each
             self._policy = model  # the model before accelerate wraps it; datasets may need it (cached reference)
