@@ -21,9 +21,10 @@ compiled here (``torch.compile``, inductor's C++ backend) into one loop each:
   and a frozen reference's norms are converted like the policy's: both compute a batch alike, as the same ops
   on the same rows give the same bits (one kernel serves every number of rows; each row is summed alike).
 
-On SmolLM2-135M (4 × 512 tokens, bf16, 2-core Xeon with AMX, 2026-12-06) a ``training_step`` runs 0.981 and
-0.994 of its time without them for SFT, 0.973 for DPO with the norm's forward eager, 0.957–0.965 and 0.957 with it
-compiled (alternated rounds, ``benchmarks/compiled_kernels.py``; the baseline's twin 0.984–1.005).
+On SmolLM2-135M (4 × 512 tokens, bf16, 2-core Xeon with AMX, 2026-12-06) a ``training_step`` runs 0.960–0.965
+of its time without them for SFT, 0.957–0.958 for DPO, 0.938–0.946 for the reward model (alternated rounds,
+``benchmarks/compiled_kernels.py``; the baseline's twin 0.984–1.007); with the norm's forward left eager, SFT
+0.981–0.994 and DPO 0.973.
 Compiling costs about 4 s a process once inductor's C++ kernels are on disk (6–10 s before), so only batches of
 :data:`MIN_TOKENS` tokens or more take them, and ``PLAIT_COMPILED_KERNELS=0`` switches them off. A machine where inductor cannot build (no C++ compiler) warns once and runs eager torch.
 
