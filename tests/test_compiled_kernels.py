@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch._dynamo.utils import counters
 
 from plait.engine import compiled_kernels
 from plait.engine.compiled_kernels import SwiGLU, compiled_mlps, forward_pays, pays
@@ -104,6 +105,9 @@ def test_a_norm_computes_a_batch_alike_with_gradients_and_without_whatever_its_r
             reference = frozen(x)
             rows = frozen(x[:, 7:MIN_TOKENS // 2 + 40].contiguous())  # other rows, still above the threshold
             small = frozen(x[:, :8])
+        graphs = counters["stats"]["unique_graphs"]
+        grad_mode_on = frozen(x)  # gradients on, none asked for (a frozen model outside no_grad): no second compile
+    assert counters["stats"]["unique_graphs"] == graphs and torch.equal(grad_mode_on, reference)
     eager = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
     assert not torch.equal(reference, eager)  # compiled: the test can tell the two apart at this width
     assert torch.equal(trained, reference) and torch.equal(rows, reference[:, 7:])

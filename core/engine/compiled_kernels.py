@@ -101,13 +101,15 @@ def _run(kernel: Callable, *args) -> tuple[Tensor, ...]:
             # every kernel takes 2-d tensors, so one compile serves every batch shape; eager's roundings kept
             compiled = _COMPILED[kernel] = torch.compile(kernel, dynamic=True, options=_INDUCTOR_OPTIONS)
         try:
-            with torch.autocast("cpu", enabled=False):
+            # gradients off whoever calls: a Function's forward and backward run so already, a frozen norm may not,
+            # and dynamo would compile the kernel again for the other grad mode
+            with torch.autocast("cpu", enabled=False), torch.no_grad():
                 return compiled(*args)
         except Exception as error:  # noqa: BLE001 -- any failure to build: the eager kernel is the same math
             _BROKEN.append(f"{type(error).__name__}: {error}".splitlines()[0])
             warnings.warn(f"plait: inductor could not compile {kernel.__name__} ({_BROKEN[0]}); running eager torch. "
                           f"Set {SWITCH}=0 to skip the attempt", RuntimeWarning, stacklevel=3)
-    with torch.autocast("cpu", enabled=False):
+    with torch.autocast("cpu", enabled=False), torch.no_grad():
         return kernel(*args)
 
 
