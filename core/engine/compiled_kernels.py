@@ -26,8 +26,9 @@ of its time without them for SFT, 0.957–0.958 for DPO, 0.938–0.946 for the r
 ``benchmarks/compiled_kernels.py``; the baseline's twin 0.984–1.007); with the norm's forward left eager, SFT
 0.981–0.994 and DPO 0.973.
 Compiling costs about 4 s a process once inductor's C++ kernels are on disk (6–10 s before), and importing inductor
-about 150 MiB of the process's memory, so only batches of
-:data:`MIN_TOKENS` tokens or more take them, and ``PLAIT_COMPILED_KERNELS=0`` switches them off. A machine where inductor cannot build (no C++ compiler) warns once and runs eager torch.
+about 150 MiB of the process's memory, so only batches of :data:`MIN_TOKENS` tokens or more take them, and
+``PLAIT_COMPILED_KERNELS=0`` switches them off. A machine where inductor cannot build (no C++ compiler) warns
+once and runs eager torch.
 
 The numbers: SwiGLU's are eager's roundings of the same float32 values; inductor's float32 silu and sigmoid may
 differ from ATen's in the last float32 place, which bf16 rounding hides (every test finds them bit-equal). The

@@ -19,8 +19,8 @@ is differentiated once a step, two a layer: on SmolLM2-135M (4 × 512 tokens, a 
 on a probe, bit for bit, so a Gemma-style ``1 + w`` gain or any other norm keeps its own) an instance of a
 subclass whose forward runs :class:`ClosedFormRMSNorm` for a float32 input on a CPU that a backward will
 differentiate. Its forward is transformers' ops in transformers' order, so every output is the same number
-(but for the compiled loop below); the gradient is the formula's, which rounds differently from autograd's chain: within 1e-7 of it, relative to
-its largest element. Anything else (a bf16 input, whose x̂ transformers rounds to bf16 before the gain;
+(but for the compiled loop below); the gradient is the formula's, which rounds differently from autograd's
+chain: within 1e-7 of it, relative to its largest element. Anything else (a bf16 input, whose x̂ transformers rounds to bf16 before the gain;
 another device) runs the module's own forward. A run that trains on a CPU does this to its model and to the
 frozen models it holds (a reference, a teacher).
 
