@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
-from plait.engine import compiled_kernels
+from plait.engine import compiled_kernels, rms_norm
 from plait.engine.compiled_kernels import SwiGLU, compiled_mlps, forward_pays, pays
 from plait.engine.rms_norm import ClosedFormRMSNorm, closed_form_rms_norms
 from plait.testing.tiny_model import loss_and_gradients, tiny_llama, tiny_model_path
@@ -65,10 +65,10 @@ def test_the_norms_compiled_loops_are_the_closed_form_within_float32_summation_o
     x, grad = torch.randn(*shape, generator=generator), torch.randn(*shape, generator=generator)
     weight = torch.randn(shape[-1], generator=generator)
     calls = []
-    backward = compiled_kernels.rms_norm_backward
+    backward = rms_norm.compiled_backward
     results = []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(compiled_kernels, "rms_norm_backward", lambda *a: calls.append(1) or backward(*a))
+        patch.setattr(rms_norm, "compiled_backward", lambda *a: calls.append(1) or backward(*a))
         for compiled in (False, True):
             leaf_x, leaf_w = x.clone().requires_grad_(), weight.clone().requires_grad_()
             output = ClosedFormRMSNorm.apply(leaf_x, leaf_w, 1e-5, compiled)
@@ -176,9 +176,9 @@ def test_a_checkpointed_model_computes_the_same_loss_and_gradients(monkeypatch):
     closed_form_rms_norms(plain), closed_form_rms_norms(converted)
     compiled_mlps(converted)
     calls = []
-    apply, backward = SwiGLU.apply, compiled_kernels.rms_norm_backward
+    apply, backward = SwiGLU.apply, rms_norm.compiled_backward
     monkeypatch.setattr(SwiGLU, "apply", lambda *a: calls.append("SwiGLU") or apply(*a))
-    monkeypatch.setattr(compiled_kernels, "rms_norm_backward", lambda *a: calls.append("norm") or backward(*a))
+    monkeypatch.setattr(rms_norm, "compiled_backward", lambda *a: calls.append("norm") or backward(*a))
     for model in (plain, converted):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     results = [loss_and_gradients(model, bf16_autocast=True, tokens=24) for model in (plain, converted)]

@@ -1,8 +1,8 @@
 """A decoder layer's elementwise chains as single kernels compiled by inductor, under bf16 autocast on a CPU.
 
 Between its GEMMs a decoder layer runs chains of elementwise ops, each a pass over a tensor as large as the
-layer's activations; on a CPU each pass is a trip through memory. Two chains are
-compiled here (``torch.compile``, inductor's C++ backend) into one loop each:
+layer's activations; on a CPU each pass is a trip through memory. Two chains are compiled through :func:`run`
+(``torch.compile``, inductor's C++ backend) into one loop each:
 
 - **SwiGLU** (Shazeer 2020, "GLU Variants Improve Transformer", eq. 5: FFN = (silu(x W) ⊙ x V) W₂): eager torch
   runs silu and the product forward (twice under gradient checkpointing) and three ops backward; for the gate
@@ -13,13 +13,13 @@ compiled here (``torch.compile``, inductor's C++ backend) into one loop each:
   :class:`SwiGLU` computes the same values, each rounded to bf16 where eager rounds it (silu's output, each
   product), in one pass forward and one backward. :func:`compiled_mlps` makes every MLP whose own forward is
   ``down(silu(gate(x)) ⊙ up(x))`` (checked on a probe, bit for bit) an instance of a subclass that runs it.
-- **RMSNorm's closed form** (:mod:`plait.engine.rms_norm`): its forward's five ops and its backward's seven
-  passes, one loop each (:func:`rms_norm`, :func:`rms_norm_backward`). The compiled forward sums its mean in
-  inductor's order, not ATen's (within 1e-7 relative), and bf16 carries such a difference far: a DPO policy
-  whose norms ran it while its frozen reference ran transformers' eager ops started at a loss of 0.669 instead
-  of ln 2 (SmolLM2, 2026-12-06). So the norms take it wherever :func:`forward_pays`, with gradients or without,
-  and a frozen reference's norms are converted like the policy's: both compute a batch alike, as the same ops
-  on the same rows give the same bits (one kernel serves every number of rows; each row is summed alike).
+- **RMSNorm's closed form** (its two kernels beside the norm, in :mod:`plait.engine.rms_norm`): its forward's
+  five ops and its backward's seven passes, one loop each. The compiled forward sums its mean in inductor's
+  order, not ATen's (within 1e-7 relative), and bf16 carries such a difference far: a DPO policy whose norms
+  ran it while its frozen reference ran transformers' eager ops started at a loss of 0.669 instead of ln 2
+  (SmolLM2, 2026-12-06). So the norms take it wherever :func:`forward_pays`, with gradients or without, and a
+  frozen reference's norms are converted like the policy's: both compute a batch alike, as the same ops on the
+  same rows give the same bits (one kernel serves every number of rows; each row is summed alike).
 
 On SmolLM2-135M (4 × 512 tokens, bf16, 2-core Xeon with AMX, 2026-12-06) a ``training_step`` runs 0.960–0.965
 of its time without them for SFT, 0.957–0.958 for DPO, 0.938–0.946 for the reward model (alternated rounds,
@@ -52,7 +52,7 @@ from torch import Tensor
 from .autocast import computed_in_bf16_on_cpu, differentiated_in_bf16_on_cpu
 from .subclassing import subclass_with_forward
 
-__all__ = ["SwiGLU", "compiled_mlps", "forward_pays", "pays", "rms_norm", "rms_norm_backward"]
+__all__ = ["SwiGLU", "compiled_mlps", "forward_pays", "pays", "rows", "run"]
 
 logger = logging.getLogger("plait")
 
@@ -84,15 +84,15 @@ _COMPILED: dict[Callable, Callable] = {}
 _INDUCTOR_OPTIONS = {"fx_graph_cache": False, "emulate_precision_casts": True}
 
 
-def _rows(x: Tensor) -> Tensor:
+def rows(x: Tensor) -> Tensor:
     """``x`` as [tokens, width], not a view: dynamo guards on a view's base (its rank, and a batch size of 1, which
     it specialises), so a kernel given 2-d tensors of their own compiles once for every batch shape."""
     return x.reshape(-1, x.shape[-1]).detach()
 
 
-def _run(kernel: Callable, *args) -> tuple[Tensor, ...]:
+def run(kernel: Callable, *args) -> tuple[Tensor, ...]:
     """``kernel(*args)`` compiled (on first use: importing inductor costs a second, so not at import), or eager
-    if inductor fails here."""
+    if inductor fails here. ``kernel`` returns a tuple of tensors; its tensor arguments are 2-d (:func:`rows`)."""
     if not _BROKEN:
         compiled = _COMPILED.get(kernel)
         if compiled is None:
@@ -138,44 +138,14 @@ class SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
         ctx.save_for_backward(gate, up)
-        return _run(_swiglu, _rows(gate), _rows(up))[0].view(gate.shape)
+        return run(_swiglu, rows(gate), rows(up))[0].view(gate.shape)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
         gate, up = ctx.saved_tensors
-        grad_gate, grad_up = _run(_swiglu_backward, _rows(grad), _rows(gate), _rows(up))
+        grad_gate, grad_up = run(_swiglu_backward, rows(grad), rows(gate), rows(up))
         return grad_gate.view(gate.shape), grad_up.view(up.shape)
-
-
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(w ⊙ x̂, r): :func:`plait.engine.rms_norm._normalise`'s ops."""
-    inverse_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * (x * inverse_rms), inverse_rms
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """RMSNorm's output and inverse RMS [..., 1] for float32 ``x`` [..., H], in one compiled loop: what the
-    closed-form norms of :mod:`plait.engine.rms_norm` run where :func:`forward_pays`."""
-    output, inverse_rms = _run(_rms_norm, _rows(x), weight, eps)
-    return output.view(x.shape), inverse_rms.view(*x.shape[:-1], 1)
-
-
-def _rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, inverse_rms: Tensor) -> tuple[Tensor, Tensor]:
-    """(g_x, g_w) by the closed form of :mod:`plait.engine.rms_norm` (g_w summed over tokens in float32)."""
-    grad = grad.float()
-    x_hat = x * inverse_rms
-    grad_x_hat = grad * weight
-    mean = (grad_x_hat * x_hat).sum(-1, keepdim=True) / x.shape[-1]
-    return inverse_rms * grad_x_hat - x_hat * (mean * inverse_rms), (grad * x_hat).sum(0)
-
-
-def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, inverse_rms: Tensor) -> tuple[Tensor, Tensor]:
-    """RMSNorm's closed-form gradients (g_x shaped as ``x``, g_w float32) for float32 ``x`` [..., H], its
-    ``weight`` and the forward's inverse RMS [..., 1], in one compiled loop: what
-    :class:`plait.engine.rms_norm.ClosedFormRMSNorm` runs where :func:`pays`."""
-    grad_x, grad_weight = _run(_rms_norm_backward, _rows(grad), _rows(x), weight, _rows(inverse_rms))
-    return grad_x.view(x.shape), grad_weight
 
 
 def _compiled_mlp_class(mlp_class: type) -> type:

@@ -20,15 +20,15 @@ on a probe, bit for bit, so a Gemma-style ``1 + w`` gain or any other norm keeps
 subclass whose forward runs :class:`ClosedFormRMSNorm` for a float32 input on a CPU that a backward will
 differentiate. Its forward is transformers' ops in transformers' order, so every output is the same number
 (but for the compiled loop below); the gradient is the formula's, which rounds differently from autograd's
-chain: within 1e-7 of it, relative to its largest element. Anything else (a bf16 input, whose x̂ transformers rounds to bf16 before the gain;
-another device) runs the module's own forward. A run that trains on a CPU does this to its model and to the
-frozen models it holds (a reference, a teacher).
+chain: within 1e-7 of it, relative to its largest element. Anything else (a bf16 input, whose x̂ transformers
+rounds to bf16 before the gain; another device) runs the module's own forward. A run that trains on a CPU does
+this to its model and to the frozen models it holds (a reference, a teacher).
 
 Under bf16 autocast, on batches where :func:`plait.engine.compiled_kernels.forward_pays`, forward and backward
-each run as one compiled loop (:func:`plait.engine.compiled_kernels.rms_norm` and ``rms_norm_backward``: the
-same formulas, summed in inductor's order, within float32 rounding of these numbers), with gradients or
-without: a trained model and its frozen reference then give a batch the same numbers, as they must at the
-first step (a DPO loss of ln 2).
+each run as one loop compiled by inductor (:func:`compiled_normalise` and :func:`compiled_backward`: the same
+formulas, summed in inductor's order, within float32 rounding of these numbers), with gradients or without: a
+trained model and its frozen reference then give a batch the same numbers, as they must at the first step (a
+DPO loss of ln 2).
 """
 
 from __future__ import annotations
@@ -38,13 +38,38 @@ import torch
 from . import compiled_kernels
 from .subclassing import subclass_with_forward
 
-__all__ = ["ClosedFormRMSNorm", "closed_form_rms_norms"]
+__all__ = ["ClosedFormRMSNorm", "closed_form_rms_norms", "compiled_backward", "compiled_normalise"]
 
 
 def _normalise(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(w ⊙ x̂, r) for a float32 ``x``: transformers' LlamaRMSNorm ops in its order, so the same numbers."""
     inverse_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * (x * inverse_rms), inverse_rms
+
+
+def _closed_form_gradients(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                           inverse_rms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g_x, g_w) by the formula in the module docstring for [tokens, H] rows, written for one compiled loop
+    (:class:`ClosedFormRMSNorm`'s eager backward writes it in place instead); g_w summed over tokens in float32."""
+    grad = grad.float()
+    x_hat = x * inverse_rms
+    grad_x_hat = grad * weight
+    mean = (grad_x_hat * x_hat).sum(-1, keepdim=True) / x.shape[-1]
+    return inverse_rms * grad_x_hat - x_hat * (mean * inverse_rms), (grad * x_hat).sum(0)
+
+
+def compiled_normalise(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_normalise` for float32 ``x`` [..., H] as one compiled loop: (w ⊙ x̂, r [..., 1])."""
+    output, inverse_rms = compiled_kernels.run(_normalise, compiled_kernels.rows(x), weight, eps)
+    return output.view(x.shape), inverse_rms.view(*x.shape[:-1], 1)
+
+
+def compiled_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                      inverse_rms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_closed_form_gradients` for float32 ``x`` [..., H] as one compiled loop: (g_x shaped as ``x``, g_w)."""
+    rows = compiled_kernels.rows
+    grad_x, grad_weight = compiled_kernels.run(_closed_form_gradients, rows(grad), rows(x), weight, rows(inverse_rms))
+    return grad_x.view(x.shape), grad_weight
 
 
 class ClosedFormRMSNorm(torch.autograd.Function):
@@ -54,7 +79,7 @@ class ClosedFormRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, compiled: bool = False) -> torch.Tensor:
-        output, inverse_rms = compiled_kernels.rms_norm(x, weight, eps) if compiled else _normalise(x, weight, eps)
+        output, inverse_rms = (compiled_normalise if compiled else _normalise)(x, weight, eps)
         ctx.save_for_backward(x, weight, inverse_rms)
         ctx.compiled = compiled
         return output
@@ -64,7 +89,7 @@ class ClosedFormRMSNorm(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         x, weight, inverse_rms = ctx.saved_tensors
         if ctx.compiled:
-            grad_x, grad_weight = compiled_kernels.rms_norm_backward(grad_output, x, weight, inverse_rms)
+            grad_x, grad_weight = compiled_backward(grad_output, x, weight, inverse_rms)
             return (grad_x if ctx.needs_input_grad[0] else None,
                     grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None, None, None)
         grad_output = grad_output.float()
@@ -94,7 +119,7 @@ def _closed_form_class(norm_class: type) -> type:
             if torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad):
                 return ClosedFormRMSNorm.apply(hidden_states, weight, self.variance_epsilon, compiled)
             if compiled:  # a frozen reference, old log-probs: the kernel the trained forward runs on this batch
-                return compiled_kernels.rms_norm(hidden_states, weight, self.variance_epsilon)[0]
+                return compiled_normalise(hidden_states, weight, self.variance_epsilon)[0]
         return norm_class.forward(self, hidden_states)
 
     return subclass_with_forward(norm_class, "ClosedForm", forward, "_plait_closed_form", __name__)
