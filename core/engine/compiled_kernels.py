@@ -48,6 +48,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.profiler import record_function
 
 from .autocast import computed_in_bf16_on_cpu, differentiated_in_bf16_on_cpu
 from .subclassing import subclass_with_forward
@@ -103,8 +104,9 @@ def run(kernel: Callable, *args) -> tuple[Tensor, ...]:
             compiled = _COMPILED[kernel] = torch.compile(kernel, dynamic=True, options=_INDUCTOR_OPTIONS)
         try:
             # gradients off whoever calls: a Function's forward and backward run so already, a frozen norm may not,
-            # and dynamo would compile the kernel again for the other grad mode
-            with torch.autocast("cpu", enabled=False), torch.no_grad():
+            # and dynamo would compile the kernel again for the other grad mode; named for torch's profiler, which
+            # sees no op inside an inductor kernel
+            with torch.autocast("cpu", enabled=False), torch.no_grad(), record_function(f"plait::{kernel.__name__}"):
                 return compiled(*args)
         except Exception as error:  # noqa: BLE001 -- any failure to build: the eager kernel is the same math
             _BROKEN.append(f"{type(error).__name__}: {error}".splitlines()[0])
