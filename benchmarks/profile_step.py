@@ -81,8 +81,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--shapes", action="store_true", help="also print the top ops by their input shapes "
                         "(from the attributed step, whose times recording shapes inflates)")
-    parser.add_argument("--step", type=int, default=3, help="the step profiled, at least 2; the ones before it warm "
-                        "up (the second still grows the heap)")
+    parser.add_argument("--step", type=int, default=3, help="the step timed, at least 2 (the one after it is "
+                        "attributed); the ones before it warm up (the second still grows the heap)")
     options = parser.parse_args()
 
     import torch
