@@ -97,9 +97,9 @@ def main() -> None:
 
     model = sbs.model_folder(None)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    args = dict(output_dir="/tmp/plait-profile-step", max_steps=options.step + 1, per_device_train_batch_size=sbs.BATCH,
-                logging_steps=1, save_strategy="no", report_to="none", learning_rate=1e-6, seed=0,
-                bf16=options.precision == "bf16", max_length=options.length)
+    args = dict(output_dir="/tmp/plait-profile-step", max_steps=options.step + 1,
+                per_device_train_batch_size=sbs.BATCH, logging_steps=1, save_strategy="no", report_to="none",
+                learning_rate=1e-6, seed=0, bf16=options.precision == "bf16", max_length=options.length)
     args.update(sbs.method_args(options.method, options.length, groups=1))  # GKD's lmbda, GRPO's group, ...
     config = getattr(plait, f"{sbs.CONFIG[options.method]}Config")(**args)
     data = Dataset.from_list(sbs.rows(options.method, options.length, tokenizer, sbs.BATCH * (options.step + 1)))
